@@ -1,0 +1,18 @@
+"""Policy models: the decoder family, its sharding rules and Hugging Face checkpoint I/O."""
+
+from dora_jax.models.config_lib import SUPPORTED_ARCHITECTURES, ModelConfig
+from dora_jax.models.hf_io import from_pretrained, read_config, save_pretrained
+from dora_jax.models.model_lib import ForwardOutput, Functional, KVCache, Transformer, create
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ForwardOutput",
+    "Functional",
+    "KVCache",
+    "ModelConfig",
+    "Transformer",
+    "create",
+    "from_pretrained",
+    "read_config",
+    "save_pretrained",
+]

@@ -1,0 +1,186 @@
+"""Architecture hyper-parameters of the decoder family, read from Hugging Face `config.json`.
+
+One frozen dataclass describes Llama, Qwen2, Qwen3 and Qwen3-MoE: they differ only in a few
+switches (q/k/v bias, q/k norm, MoE layers), so one decoder implementation serves all four and
+a parity bug fixed for one is fixed for all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and behaviour of one decoder-only transformer."""
+
+    architecture: str = "Qwen3ForCausalLM"
+    vocab_size: int = 64
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 10000.0
+    # Hugging Face `rope_scaling` dict (rope_type: linear | llama3 | yarn | default), or None.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2 always has it)
+    attention_out_bias: bool = False  # bias on o_proj (Llama's `attention_bias` sets both)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
+    # Mixture of experts (Qwen3-MoE); num_experts == 0 means every layer is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; "
+                f"choose one of {SUPPORTED_ARCHITECTURES}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                f"[1, num_experts={self.num_experts}]"
+            )
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling is not None else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Builds a config from a parsed Hugging Face `config.json`."""
+        architectures = hf.get("architectures") or []
+        if len(architectures) != 1:
+            raise ValueError(
+                f"config.json must name exactly one architecture, got {architectures!r}"
+            )
+        arch = architectures[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"config.json architecture {arch!r} is not supported; "
+                f"choose one of {SUPPORTED_ARCHITECTURES}"
+            )
+        if hf.get("use_sliding_window"):
+            raise ValueError("config.json use_sliding_window=true is not supported")
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rope_scaling = hf.get("rope_scaling")
+        # transformers >= 5 writes rope settings under `rope_parameters`.
+        rope_parameters = hf.get("rope_parameters") or {}
+        rope_theta = hf.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
+        if rope_scaling is None and rope_parameters.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
+            rope_scaling.pop("type", None)
+            if rope_scaling["rope_type"] == "default":
+                rope_scaling = None
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        llama_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rope_theta=float(rope_theta),
+            rope_scaling=_freeze(rope_scaling),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=True if is_qwen2 else llama_bias,
+            attention_out_bias=False if is_qwen2 else llama_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            num_experts=(
+                hf.get("num_experts") or hf.get("num_local_experts") or 0
+                if arch == "Qwen3MoeForCausalLM"
+                else 0
+            ),
+            num_experts_per_tok=hf.get("num_experts_per_tok", 2),
+            moe_intermediate_size=hf.get("moe_intermediate_size", 64),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` content that `transformers` reads back into the same model."""
+        hf: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": {
+                "LlamaForCausalLM": "llama",
+                "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3",
+                "Qwen3MoeForCausalLM": "qwen3_moe",
+            }[self.architecture],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+        if self.architecture == "LlamaForCausalLM":
+            hf["attention_bias"] = self.attention_bias
+            hf["mlp_bias"] = self.mlp_bias
+        if self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+            hf["attention_bias"] = self.attention_bias
+        if self.architecture == "Qwen3MoeForCausalLM":
+            hf.update(
+                num_experts=self.num_experts,
+                num_local_experts=self.num_experts,  # the name transformers >= 5 uses
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+            )
+        return hf
+
+
+def _freeze(d: dict[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
+    if d is None:
+        return None
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))

@@ -1,0 +1,218 @@
+"""Hugging Face checkpoint import / export (config.json + safetensors).
+
+The mapping between our parameter paths and Hugging Face tensor names is one table
+(`_tensor_map`), used in both directions, so import and export cannot drift apart. Every
+expected tensor must be found with its exact shape: a partial load raises an error naming the
+file and the tensor instead of silently keeping random weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+from dora_jax.models import model_lib
+from dora_jax.models.config_lib import ModelConfig
+
+_INDEX = "model.safetensors.index.json"
+# Tensors some checkpoints carry that are derived, not learned.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _tensor_map(config: ModelConfig) -> dict[tuple[Any, ...], tuple[str, str]]:
+    """Our param path -> (Hugging Face name or name template, layout kind).
+
+    Kinds: `plain` (same layout), `linear` (torch [out, in] <-> our [in, out]), `experts` (one
+    torch Linear per expert, `{e}` in the name, stacked on our leading expert axis).
+    """
+    out: dict[tuple[Any, ...], tuple[str, str]] = {
+        ("embed_tokens",): ("model.embed_tokens.weight", "plain"),
+        ("norm", "weight"): ("model.norm.weight", "plain"),
+    }
+    if not config.tie_word_embeddings:
+        out[("lm_head",)] = ("lm_head.weight", "linear")
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}", ("layers", i)
+        out[(*ours, "input_layernorm", "weight")] = (f"{hf}.input_layernorm.weight", "plain")
+        out[(*ours, "post_attention_layernorm", "weight")] = (
+            f"{hf}.post_attention_layernorm.weight",
+            "plain",
+        )
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[(*ours, "self_attn", proj, "kernel")] = (f"{hf}.self_attn.{proj}.weight", "linear")
+            has_bias = config.attention_out_bias if proj == "o_proj" else config.attention_bias
+            if has_bias:
+                out[(*ours, "self_attn", proj, "bias")] = (f"{hf}.self_attn.{proj}.bias", "plain")
+        if config.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                out[(*ours, "self_attn", norm, "weight")] = (
+                    f"{hf}.self_attn.{norm}.weight",
+                    "plain",
+                )
+        if config.is_moe_layer(i):
+            out[(*ours, "mlp", "router")] = (f"{hf}.mlp.gate.weight", "linear")
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                out[(*ours, "mlp", proj)] = (f"{hf}.mlp.experts.{{e}}.{proj}.weight", "experts")
+        else:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                out[(*ours, "mlp", proj, "kernel")] = (f"{hf}.mlp.{proj}.weight", "linear")
+                if config.mlp_bias:
+                    out[(*ours, "mlp", proj, "bias")] = (f"{hf}.mlp.{proj}.bias", "plain")
+    return out
+
+
+class _CheckpointReader:
+    """Finds each tensor in a directory of safetensors files (sharded with an index, or not)."""
+
+    def __init__(self, path: str):
+        index_path = os.path.join(path, _INDEX)
+        if os.path.exists(index_path):
+            with open(index_path) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors file in {path}")
+            weight_map = {}
+        self._handles = {}
+        for name in files:
+            file_path = os.path.join(path, name)
+            if not os.path.exists(file_path):
+                raise FileNotFoundError(f"{file_path} is listed in {index_path} but does not exist")
+            self._handles[name] = safe_open(file_path, framework="flax")
+            if not os.path.exists(index_path):
+                weight_map.update({k: name for k in self._handles[name].keys()})  # noqa: SIM118
+        self.weight_map = weight_map
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str, expected_shape: tuple[int, ...]) -> jax.Array:
+        if name not in self.weight_map:
+            raise KeyError(
+                f"tensor {name!r} is missing from the checkpoint (files: {sorted(self._handles)})"
+            )
+        file = self.weight_map[name]
+        tensor = self._handles[file].get_tensor(name)
+        if tuple(tensor.shape) != tuple(expected_shape):
+            raise ValueError(
+                f"tensor {name!r} in {file} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(expected_shape)}"
+            )
+        self.used.add(name)
+        return tensor
+
+
+def _load_experts(reader: _CheckpointReader, template: str, shape: tuple[int, ...]) -> jax.Array:
+    num_experts, din, dout = shape
+    per_expert = template.format(e=0)
+    if reader.has(per_expert):
+        return jnp.stack(
+            [reader.get(template.format(e=e), (dout, din)).T for e in range(num_experts)]
+        )
+    # transformers >= 5 keeps experts fused in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+    prefix, proj = template.split(".{e}.")
+    proj = proj.removesuffix(".weight")
+    if proj == "down_proj":
+        return jnp.swapaxes(reader.get(f"{prefix}.down_proj", (num_experts, dout, din)), 1, 2)
+    fused = reader.get(f"{prefix}.gate_up_proj", (num_experts, 2 * dout, din))
+    half = fused[:, :dout] if proj == "gate_proj" else fused[:, dout:]
+    return jnp.swapaxes(half, 1, 2)
+
+
+def read_config(path: str) -> ModelConfig:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{config_path} does not exist")
+    with open(config_path) as f:
+        return ModelConfig.from_hf_dict(json.load(f))
+
+
+def from_pretrained(
+    path: str, dtype: Any = jnp.float32, param_dtype: Any | None = None
+) -> model_lib.Transformer:
+    """Loads a Hugging Face model directory into a `Transformer` (compute dtype `dtype`)."""
+    config = read_config(path)
+    param_dtype = param_dtype or dtype
+    model = model_lib.abstract(config, param_dtype=param_dtype, dtype=dtype)
+    reader = _CheckpointReader(path)
+    state = nnx.state(model, nnx.Param)
+    flat = dict(nnx.to_flat_state(state))
+    for key, (hf_name, kind) in _tensor_map(config).items():
+        variable = flat[key]
+        shape = tuple(variable.shape)
+        if kind == "plain":
+            value = reader.get(hf_name, shape)
+        elif kind == "linear":
+            value = reader.get(hf_name, shape[::-1]).T
+        else:
+            value = _load_experts(reader, hf_name, shape)
+        flat[key] = variable.replace(jnp.asarray(value, param_dtype))
+    unused = [
+        k for k in reader.weight_map if k not in reader.used and not k.endswith(_IGNORED_SUFFIXES)
+    ]
+    if unused:
+        logging.warning(
+            "from_pretrained(%s): ignoring %d unused tensors: %s", path, len(unused), unused[:8]
+        )
+    nnx.update(model, nnx.from_flat_state(flat))
+    return model
+
+
+def _export_tensors(model: model_lib.Transformer) -> Iterator[tuple[str, np.ndarray]]:
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    layouts: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+        "plain": lambda a: a,
+        "linear": lambda a: a.T,
+    }
+    for key, (hf_name, kind) in _tensor_map(model.config).items():
+        value = flat[key][...]
+        if kind == "experts":
+            for e in range(value.shape[0]):
+                yield hf_name.format(e=e), value[e].T
+        else:
+            yield hf_name, layouts[kind](value)
+
+
+def save_pretrained(
+    model: model_lib.Transformer, path: str, max_shard_bytes: int = 4 * 1024**3
+) -> None:
+    """Writes `config.json` and safetensors shards (with an index when more than one)."""
+    os.makedirs(path, exist_ok=True)
+    config = model.config.to_hf_dict()
+    dtypes = {str(x.dtype) for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
+    config["torch_dtype"] = "bfloat16" if dtypes == {"bfloat16"} else "float32"
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    shards: list[dict[str, jax.Array]] = [{}]
+    size = 0
+    for name, value in _export_tensors(model):
+        array = jnp.asarray(jax.device_get(value))
+        if shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = jnp.array(array)  # contiguous copy: safetensors needs it
+        size += array.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    with open(os.path.join(path, _INDEX), "w") as f:
+        total = sum(int(np.prod(v.shape)) * v.dtype.itemsize for s in shards for v in s.values())
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

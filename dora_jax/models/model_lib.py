@@ -1,0 +1,304 @@
+"""Flax NNX decoder-only transformer for the Llama / Qwen2 / Qwen3 (dense and MoE) family.
+
+Every parameter carries `logical_axes` metadata; `sharding_lib` maps those names to mesh axes, so
+the same module runs unsharded, FSDP or tensor-parallel without code changes.
+
+`forward` is the one entry point. Given a KV cache it writes the new keys/values at their
+`positions` and attends over the whole cache with a `key_position <= query_position` mask, so
+prefill (many positions) and decode (one position per slot, each slot at its own position) are
+the same code path. Entries past a request's current position may hold stale data from padding
+or an earlier request in the slot; the mask never lets a query see them, and a decode step
+overwrites each position before any query reaches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dora_jax.models import rope_lib
+from dora_jax.models.config_lib import ModelConfig
+
+_INIT_STD = 0.02
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer: each [layers, batch, max_len, kv_heads, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype: Any) -> KVCache:
+        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+class ForwardOutput(NamedTuple):
+    logits: jax.Array  # [batch, seq, vocab], float32
+    cache: KVCache | None
+    # Tokens routed to each expert, [moe_layers, num_experts]; empty for dense models.
+    expert_load: jax.Array
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any):
+    value = jax.random.normal(rngs.params(), shape, jnp.float32) * _INIT_STD
+    return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+def _ones(shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any):
+    return nnx.Param(jnp.ones(shape, dtype), logical_axes=axes)
+
+
+def _zeros(shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any):
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype: Any):
+        self.weight = _ones((dim,), ("norm",), param_dtype)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel is [in, out] (the transpose of torch's Linear.weight)."""
+
+    def __init__(self, rngs, din, dout, axes, *, bias: bool, param_dtype: Any, dtype: Any):
+        self.kernel = _param(rngs, (din, dout), axes, param_dtype)
+        self.bias = _zeros((dout,), axes[1:], param_dtype) if bias else None
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x.astype(self.dtype) @ self.kernel[...].astype(self.dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, param_dtype: Any, dtype: Any):
+        c = config
+        kw = dict(param_dtype=param_dtype, dtype=dtype)
+        h, q_dim, kv_dim = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = Linear(rngs, h, q_dim, ("embed", "q_heads"), bias=c.attention_bias, **kw)
+        self.k_proj = Linear(rngs, h, kv_dim, ("embed", "kv_heads"), bias=c.attention_bias, **kw)
+        self.v_proj = Linear(rngs, h, kv_dim, ("embed", "kv_heads"), bias=c.attention_bias, **kw)
+        self.o_proj = Linear(rngs, q_dim, h, ("q_heads", "embed"), bias=c.attention_out_bias, **kw)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype) if c.qk_norm else None
+        inv_freq, self.attention_factor = rope_lib.inverse_frequencies(
+            c.head_dim, c.rope_theta, c.rope_scaling_dict, c.max_position_embeddings
+        )
+        # A tuple keeps the frequencies static (nnx would treat an array as model state).
+        self.inv_freq = tuple(float(f) for f in inv_freq)
+        self.config = c
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        layer_cache: tuple[jax.Array, jax.Array] | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        c = self.config
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
+        k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope_lib.apply_rotary(q, positions, self.inv_freq, self.attention_factor)
+        k = rope_lib.apply_rotary(k, positions, self.inv_freq, self.attention_factor)
+
+        if layer_cache is None:
+            keys, values, key_positions = k, v, positions
+            new_cache = None
+        else:
+            cache_k, cache_v = layer_cache
+            rows = jnp.arange(b)[:, None]
+            # Positions past the cache end are dropped by the scatter (JAX's default mode).
+            cache_k = cache_k.at[rows, positions].set(k.astype(cache_k.dtype))
+            cache_v = cache_v.at[rows, positions].set(v.astype(cache_v.dtype))
+            keys, values = cache_k, cache_v
+            key_positions = jnp.broadcast_to(jnp.arange(cache_k.shape[1]), (b, cache_k.shape[1]))
+            new_cache = (cache_k, cache_v)
+
+        groups = c.num_heads // c.num_kv_heads
+        q = q.reshape(b, t, c.num_kv_heads, groups, c.head_dim)
+        scores = jnp.einsum(
+            "btkgd,bskd->bkgts", q.astype(jnp.float32), keys.astype(jnp.float32)
+        ) / jnp.sqrt(jnp.float32(c.head_dim))
+        visible = key_positions[:, None, :] <= positions[:, :, None]  # [b, t, s]
+        scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(jnp.float32))
+        out = out.reshape(b, t, c.num_heads * c.head_dim).astype(x.dtype)
+        return self.o_proj(out), new_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, c: ModelConfig, inner: int, rngs: nnx.Rngs, param_dtype: Any, dtype: Any):
+        kw = dict(bias=c.mlp_bias, param_dtype=param_dtype, dtype=dtype)
+        self.gate_proj = Linear(rngs, c.hidden_size, inner, ("embed", "mlp"), **kw)
+        self.up_proj = Linear(rngs, c.hidden_size, inner, ("embed", "mlp"), **kw)
+        self.down_proj = Linear(rngs, inner, c.hidden_size, ("mlp", "embed"), **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nnx.Module):
+    """Qwen3-MoE feed-forward: softmax router, top-k experts, optional top-k renormalisation.
+
+    Tokens are sorted by expert and run through `jax.lax.ragged_dot`, so compute grows with k,
+    not with the number of experts.
+    """
+
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs, param_dtype: Any, dtype: Any):
+        e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        self.router = _param(rngs, (h, e), ("embed", None), param_dtype)
+        self.gate_proj = _param(rngs, (e, h, i), ("expert", "embed", "mlp"), param_dtype)
+        self.up_proj = _param(rngs, (e, h, i), ("expert", "embed", "mlp"), param_dtype)
+        self.down_proj = _param(rngs, (e, i, h), ("expert", "mlp", "embed"), param_dtype)
+        self.config = c
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        c = self.config
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1]).astype(self.dtype)
+        router_logits = tokens.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+        gates = jax.nn.softmax(router_logits, axis=-1)
+        weights, experts = jax.lax.top_k(gates, c.num_experts_per_tok)  # [n, k]
+        if c.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        flat_experts = experts.reshape(-1)
+        order = jnp.argsort(flat_experts, stable=True)
+        token_of = order // c.num_experts_per_tok
+        group_sizes = jnp.bincount(flat_experts, length=c.num_experts).astype(jnp.int32)
+        sorted_x = tokens[token_of]
+        w = lambda p: p[...].astype(self.dtype)
+        hidden = jax.nn.silu(jax.lax.ragged_dot(sorted_x, w(self.gate_proj), group_sizes))
+        hidden = hidden * jax.lax.ragged_dot(sorted_x, w(self.up_proj), group_sizes)
+        expert_out = jax.lax.ragged_dot(hidden, w(self.down_proj), group_sizes)
+        sorted_weights = weights.reshape(-1)[order].astype(jnp.float32)
+        combined = (
+            jnp.zeros(tokens.shape, jnp.float32)
+            .at[token_of]
+            .add(expert_out.astype(jnp.float32) * sorted_weights[:, None])
+        )
+        return combined.astype(x.dtype).reshape(shape), group_sizes
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, c: ModelConfig, layer: int, rngs: nnx.Rngs, param_dtype: Any, dtype: Any):
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype)
+        self.self_attn = Attention(c, rngs, param_dtype, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype)
+        if c.is_moe_layer(layer):
+            self.mlp = MoE(c, rngs, param_dtype, dtype)
+        else:
+            self.mlp = MLP(c, c.intermediate_size, rngs, param_dtype, dtype)
+
+    def __call__(self, x, positions, layer_cache):
+        attn_out, layer_cache = self.self_attn(self.input_layernorm(x), positions, layer_cache)
+        x = x + attn_out
+        ff = self.mlp(self.post_attention_layernorm(x))
+        load = None
+        if isinstance(ff, tuple):
+            ff, load = ff
+        return x + ff, layer_cache, load
+
+
+class Transformer(nnx.Module):
+    """Decoder-only causal language model; `model(input_ids)` gives full-sequence logits."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: Any = jnp.float32,
+        dtype: Any = jnp.float32,
+    ):
+        c = config
+        self.config = c
+        self.dtype = dtype
+        self.embed_tokens = _param(
+            rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), param_dtype
+        )
+        self.layers = nnx.List(
+            [DecoderLayer(c, i, rngs, param_dtype, dtype) for i in range(c.num_layers)]
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype)
+        self.lm_head = (
+            None
+            if c.tie_word_embeddings
+            else _param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), param_dtype)
+        )
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+        return self.forward(input_ids, positions).logits
+
+    def forward(
+        self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None
+    ) -> ForwardOutput:
+        """Runs `tokens` [batch, seq] at `positions` [batch, seq], reading/writing `cache`."""
+        x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)
+        new_k, new_v, loads = [], [], []
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+            x, layer_cache, load = layer(x, positions, layer_cache)
+            if layer_cache is not None:
+                new_k.append(layer_cache[0])
+                new_v.append(layer_cache[1])
+            if load is not None:
+                loads.append(load)
+        x = self.norm(x).astype(jnp.float32)
+        head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        logits = x @ head.astype(jnp.float32)
+        new_cache = None if cache is None else KVCache(jnp.stack(new_k), jnp.stack(new_v))
+        expert_load = jnp.stack(loads) if loads else jnp.zeros((0, 0), jnp.int32)
+        return ForwardOutput(logits, new_cache, expert_load)
+
+
+def create(config: ModelConfig, seed: int = 0, **kwargs: Any) -> Transformer:
+    """A randomly initialised model (normal(0, 0.02) weights, unit norms)."""
+    return Transformer(config, rngs=nnx.Rngs(seed), **kwargs)
+
+
+def abstract(config: ModelConfig, **kwargs: Any) -> Transformer:
+    """The model's structure with shape-only leaves; `nnx.update` fills it without a random init."""
+    return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), **kwargs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Functional:
+    """A model split into a static graph and a params pytree, for jitted pure functions.
+
+    Params are passed explicitly, so one compiled function serves every policy version.
+    """
+
+    graphdef: Any
+
+    @classmethod
+    def of(cls, model: Transformer) -> tuple[Functional, Any]:
+        graphdef, params = nnx.split(model)
+        return cls(graphdef), params
+
+    def forward(self, params, tokens, positions, cache: KVCache | None = None) -> ForwardOutput:
+        return nnx.merge(self.graphdef, params).forward(tokens, positions, cache)
+
+    def logits(self, params, input_ids: jax.Array) -> jax.Array:
+        return nnx.merge(self.graphdef, params)(input_ids)
