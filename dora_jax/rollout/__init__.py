@@ -1,0 +1,1 @@
+"""Rollout: instances, version window, orchestrator, trajectory queue, paradigms, ledger."""
