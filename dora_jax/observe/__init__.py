@@ -1,0 +1,1 @@
+"""Observability: TensorBoard metrics, progress display, Chrome-trace timeline, summary plots."""

@@ -1,0 +1,77 @@
+"""Timeline traces in Chrome trace-event format (open `trace.json` in Perfetto or chrome://tracing).
+
+One track (thread) per rollout instance and one for the trainer, so a reader sees at a glance
+which policy version each instance hosted, when it decoded, prefilled, migrated or sat idle,
+and when the trainer waited. Times are microseconds since the writer was created.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+
+class TraceWriter:
+    """Collects complete ("X") events on named tracks and writes them as one JSON file."""
+
+    def __init__(self, process_name: str = "dora_jax"):
+        self._origin = time.perf_counter()
+        self._tracks: dict[str, int] = {}
+        self._events: list[dict[str, Any]] = []
+        self._process_name = process_name
+
+    def now_us(self) -> float:
+        return (time.perf_counter() - self._origin) * 1e6
+
+    def _tid(self, track: str) -> int:
+        if track not in self._tracks:
+            self._tracks[track] = len(self._tracks) + 1
+        return self._tracks[track]
+
+    def span(self, track: str, name: str, start_us: float, end_us: float, **args: Any) -> None:
+        """Records `name` on `track` from `start_us` to `end_us` with optional arguments."""
+        self._events.append(
+            {
+                "ph": "X",
+                "pid": 1,
+                "tid": self._tid(track),
+                "name": name,
+                "ts": start_us,
+                "dur": max(end_us - start_us, 0.0),
+                "args": args,
+            }
+        )
+
+    def instant(self, track: str, name: str, **args: Any) -> None:
+        self._events.append(
+            {
+                "ph": "i",
+                "s": "t",
+                "pid": 1,
+                "tid": self._tid(track),
+                "name": name,
+                "ts": self.now_us(),
+                "args": args,
+            }
+        )
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return list(self._events)
+
+    def to_json(self) -> dict[str, Any]:
+        meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": self._process_name}}]
+        meta += [
+            {"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": track}}
+            for track, tid in self._tracks.items()
+        ]
+        return {"traceEvents": meta + self._events, "displayTimeUnit": "ms"}
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f)
+        os.replace(tmp, path)
