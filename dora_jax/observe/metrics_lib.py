@@ -1,0 +1,50 @@
+"""Per-iteration metrics: TensorBoard event files plus a `metrics.jsonl` mirror.
+
+TensorBoard is what users open; the JSON-lines mirror is what the summary plot, the notebook and
+tests read back without a TensorBoard dependency. Non-finite and non-numeric values are
+skipped for TensorBoard (it cannot plot them) but kept in the JSON mirror as strings, so
+nothing measured is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from tensorboardX import SummaryWriter
+
+
+class MetricsWriter:
+    """Writes one scalar per metric per step under `workdir` (`events.*` and `metrics.jsonl`)."""
+
+    def __init__(self, workdir: str):
+        os.makedirs(workdir, exist_ok=True)
+        self._tb = SummaryWriter(logdir=workdir, flush_secs=5)
+        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        record: dict[str, Any] = {"step": step}
+        for name, value in metrics.items():
+            if isinstance(value, bool | int | float) and math.isfinite(float(value)):
+                self._tb.add_scalar(name, float(value), global_step=step)
+                record[name] = value
+            else:
+                record[name] = value if isinstance(value, list | dict | str) else str(value)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+
+    def close(self) -> None:
+        self._tb.close()
+        self._jsonl.close()
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+    """The records `MetricsWriter` wrote to `workdir/metrics.jsonl`, in order."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

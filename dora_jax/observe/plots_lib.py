@@ -1,0 +1,44 @@
+"""The run's summary figure (`summary.png`): reward and response length against iteration and
+against wall-clock, versions live and decode-slot occupancy.
+
+Plotting against wall-clock as well as iteration is the point: async modes win by doing the
+same iterations in less time, which an iteration axis alone hides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PANELS = (
+    ("reward_mean", "step", "reward vs iteration", "iteration"),
+    ("reward_mean", "wall_time_s", "reward vs wall-clock", "seconds"),
+    ("response_length_mean", "step", "response length vs iteration", "iteration"),
+    ("response_length_mean", "wall_time_s", "response length vs wall-clock", "seconds"),
+    ("versions_live", "step", "policy versions live", "iteration"),
+    ("slot_occupancy", "step", "decode-slot occupancy", "iteration"),
+)
+
+
+def plot_summary(records: Sequence[dict[str, Any]], path: str, title: str = "dora_jax") -> None:
+    """Draws the six panels from metrics records (as `metrics_lib.read_metrics` returns)."""
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    for ax, (y_key, x_key, label, x_label) in zip(axes.T.flat, PANELS, strict=True):
+        points = [(r[x_key], r[y_key]) for r in records if x_key in r and y_key in r]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker=".", linewidth=1)
+        else:
+            ax.text(0.5, 0.5, f"no {y_key}", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(label)
+        ax.set_xlabel(x_label)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

@@ -1,0 +1,87 @@
+"""Metrics, trace and plot outputs, read back independently of the code that wrote them."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import pathlib
+import struct
+
+from tensorboardX.proto import event_pb2
+
+from dora_jax.observe import metrics_lib, plots_lib, progress_lib, trace_lib
+
+
+def _read_tensorboard_scalars(workdir: str) -> dict[str, list[tuple[int, float]]]:
+    """Parses TFRecord framing (length, crc, payload, crc) of the event files by hand."""
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in glob.glob(f"{workdir}/events.out.tfevents.*"):
+        data = pathlib.Path(path).read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            payload = data[offset + 12 : offset + 12 + length]
+            offset += 12 + length + 4
+            event = event_pb2.Event.FromString(payload)
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_metrics_reach_tensorboard_and_jsonl(tmp_path):
+    writer = metrics_lib.MetricsWriter(str(tmp_path))
+    writer.write(1, {"loss": 0.5, "reward_mean": 0.25, "hist": [1, 2], "bad": float("nan")})
+    writer.write(2, {"loss": 0.25, "reward_mean": 0.75})
+    writer.close()
+    scalars = _read_tensorboard_scalars(str(tmp_path))
+    assert scalars["loss"] == [(1, 0.5), (2, 0.25)]
+    assert "bad" not in scalars and "hist" not in scalars
+    records = metrics_lib.read_metrics(str(tmp_path))
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["hist"] == [1, 2] and records[0]["bad"] == "nan"
+
+
+def test_trace_is_valid_chrome_trace_with_named_tracks(tmp_path):
+    trace = trace_lib.TraceWriter()
+    trace.span("instance 0", "decode v1", 0.0, 10.0, version=1)
+    trace.span("trainer", "train", 5.0, 7.0)
+    trace.span("instance 0", "idle", 10.0, 12.0)
+    path = str(tmp_path / "trace.json")
+    trace.save(path)
+    events = json.loads(pathlib.Path(path).read_text())["traceEvents"]
+    names = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
+    assert set(names) == {"instance 0", "trainer"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert [(e["name"], e["tid"], e["dur"]) for e in spans] == [
+        ("decode v1", names["instance 0"], 10.0),
+        ("train", names["trainer"], 2.0),
+        ("idle", names["instance 0"], 2.0),
+    ]
+    assert spans[0]["args"] == {"version": 1}
+
+
+def test_summary_plot_draws_all_panels(tmp_path):
+    records = [
+        {
+            "step": i,
+            "wall_time_s": 2.0 * i,
+            "reward_mean": math.sin(i),
+            "versions_live": 2,
+            "response_length_mean": 10 + i,
+            "slot_occupancy": 0.9,
+        }
+        for i in range(1, 6)
+    ]
+    path = str(tmp_path / "summary.png")
+    plots_lib.plot_summary(records, path)
+    assert pathlib.Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_line_shows_the_key_fields(capsys):
+    display = progress_lib.ProgressDisplay(total=3, live=False)
+    display.update(1, {"reward_mean": 0.5, "staleness_max": 2, "trained_tokens_per_s": 1234.4})
+    display.close()
+    line = capsys.readouterr().out
+    assert "iter 1/3" in line and "reward 0.500" in line and "stale 2" in line
+    assert "tok/s 1234" in line
