@@ -1,0 +1,68 @@
+"""Supervised warm-up: masking against a hand-built reference, and a real learning check."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dora_jax.models import Functional, ModelConfig, create, sharding_lib
+from dora_jax.train import sft_lib
+
+CONFIG = ModelConfig(
+    vocab_size=12,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
+
+
+def test_pack_marks_positions_that_predict_response_tokens():
+    tokens, mask = sft_lib.pack_examples([([5, 6], [7, 8, 9]), ([4], [3])], length=6, pad_id=0)
+    np.testing.assert_array_equal(tokens, [[5, 6, 7, 8, 9, 0], [4, 3, 0, 0, 0, 0]])
+    # Position t predicts token t+1: only predictions of 7, 8, 9 (and of 3) count.
+    np.testing.assert_array_equal(mask, [[0, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0]])
+
+
+def test_sequence_loss_equals_numpy_cross_entropy():
+    model = create(CONFIG, seed=0)
+    fn, params = Functional.of(model)
+    tokens, mask = sft_lib.pack_examples([([1, 2, 3], [4, 5]), ([6], [7, 8, 9])], 7, 0)
+    got = float(sft_lib.sequence_loss(fn, params, jnp.asarray(tokens), jnp.asarray(mask)))
+    logits = np.asarray(model(jnp.asarray(tokens)), np.float64)
+    total, count = 0.0, 0
+    for i in range(2):
+        for t in range(6):
+            if mask[i, t]:
+                row = logits[i, t] - logits[i, t].max()
+                total -= row[tokens[i, t + 1]] - np.log(np.exp(row).sum())
+                count += 1
+    assert abs(got - total / count) < 1e-5
+
+
+def test_learns_to_reverse_short_strings_on_a_sharded_mesh():
+    """Prompt `a b c SEP` -> response `c b a EOS`; greedy accuracy must rise from ~0."""
+    rng = np.random.RandomState(0)
+    sep, eos = 10, 11
+
+    def example():
+        body = list(rng.randint(1, 6, size=3))
+        return body + [sep], body[::-1] + [eos]
+
+    mesh = sharding_lib.make_mesh(jax.devices(), 4, 2)
+    trainer = sft_lib.SupervisedTrainer(create(CONFIG, seed=1), mesh, 3e-3, steps=150)
+    for _ in range(150):
+        tokens, mask = sft_lib.pack_examples([example() for _ in range(32)], 8, 0)
+        trainer.step(tokens, mask)
+    model = trainer.model()
+    correct = 0
+    tests = [example() for _ in range(40)]
+    for prompt, response in tests:  # greedy decoding by repeated full forwards
+        seq = list(prompt)
+        for _ in range(len(response)):
+            seq.append(int(np.argmax(np.asarray(model(jnp.asarray([seq])))[0, -1])))
+        correct += seq[len(prompt) :] == response
+    assert correct / len(tests) >= 0.8
