@@ -1,0 +1,329 @@
+"""The RL trainer: batches of finished trajectories in, new policy versions out.
+
+One `step` consumes exactly TBS samples (complete groups): advantages over the groups, then
+`mini_batches` optimizer steps, each accumulating gradients over length-bucketed micro-batches.
+Params and optimizer state live sharded on the training mesh (FSDP + TP by `sharding_lib`'s
+rules); the jitted micro-step donates the gradient accumulator and the update donates params
+and optimizer state, so memory holds one copy of each. A non-finite loss or gradient norm keeps
+the old params and optimizer state bit for bit (a `where` on every leaf) and is counted.
+
+`publish` ends an iteration: the version becomes v + 1 and a copy of the params is placed on
+the generation mesh's shardings. The trainer's own buffers are never donated to the copy: the
+next step needs them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dora_jax.models import Functional, Transformer, sharding_lib
+from dora_jax.rollout.trajectory_lib import Trajectory
+from dora_jax.train import advantage_lib, batch_lib, loss_lib, optimizer_lib
+from dora_jax.train.config_lib import TrainConfig
+
+
+class Published(NamedTuple):
+    params: Any  # the new version's params, on the target shardings
+    version: int
+    metrics: dict[str, float]  # publish_seconds, publish_bytes
+
+
+class Trainer:
+    """Holds the policy's params and optimizer state on `mesh` and updates them."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        config: TrainConfig,
+        mesh: Mesh,
+        reference_model: Transformer | None = None,
+    ):
+        if config.kl_coef > 0 and reference_model is None:
+            raise ValueError(
+                f"train config field 'kl_coef': {config.kl_coef} needs a reference_model"
+            )
+        self.config = config
+        self.mesh = mesh
+        self._fn, params = Functional.of(model)
+        self._shardings = sharding_lib.param_shardings(params, mesh)
+        self._params = jax.device_put(params, self._shardings, may_alias=False)
+        self._tx = optimizer_lib.make(config)
+        self._schedule = optimizer_lib.schedule(config)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self._opt_shardings = optax.tree_map_params(
+            self._tx,
+            lambda _, sharding: sharding,
+            jax.eval_shape(self._tx.init, self._params),
+            self._shardings,
+            transform_non_params=lambda _: replicated,
+        )
+        self._opt_state = jax.jit(self._tx.init, out_shardings=self._opt_shardings)(self._params)
+        self._ref = None
+        if reference_model is not None and config.kl_coef > 0:
+            ref_fn, ref_params = Functional.of(reference_model)
+            ref_shardings = sharding_lib.param_shardings(ref_params, mesh)
+            self._ref = (ref_fn, jax.device_put(ref_params, ref_shardings, may_alias=False))
+        self._version = 0
+        self._skipped = 0
+        self._optimizer_steps = 0  # applied (not skipped) optimizer steps
+        # Past versions' params, for the training-side behaviour log-probs of TIS.
+        self._history: dict[int, Any] = {}
+        if config.tis_cap is not None:
+            self._history[0] = self._copy(self._params)
+
+        self._logprob_fn = jax.jit(_logprobs, static_argnums=0)
+        self._zeros = jax.jit(
+            lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self._shardings
+        )
+        self._grad_fn = jax.jit(
+            self._accumulate, donate_argnums=1, out_shardings=(self._shardings, None)
+        )
+        self._apply_fn = jax.jit(
+            self._apply,
+            donate_argnums=(0, 1, 2),
+            out_shardings=(self._shardings, self._opt_shardings, None, None),
+        )
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The version of the params the trainer holds (0 at start, +1 per publish)."""
+        return self._version
+
+    @property
+    def params(self) -> Any:
+        """The current params; valid until the next `step` (its buffers are donated)."""
+        return self._params
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """Everything a checkpoint needs (a plain pytree for orbax)."""
+        return {
+            "params": self._params,
+            "opt_state": self._opt_state,
+            "version": self._version,
+            "skipped_updates": self._skipped,
+            "optimizer_steps": self._optimizer_steps,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Loads a `state` (e.g. from orbax) onto the training mesh's shardings."""
+        self._params = jax.device_put(state["params"], self._shardings, may_alias=False)
+        self._opt_state = jax.device_put(state["opt_state"], self._opt_shardings, may_alias=False)
+        self._version = int(state["version"])
+        self._skipped = int(state["skipped_updates"])
+        self._optimizer_steps = int(state["optimizer_steps"])
+        if self.config.tis_cap is not None:
+            # Older versions' params are not checkpointed: TIS restarts from this version.
+            self._history = {self._version: self._copy(self._params)}
+
+    def logprobs(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray]:
+        """The current policy's log-prob of each response token, one array per trajectory."""
+        n = len(trajectories)
+        (mb,) = batch_lib.micro_batches(
+            trajectories, np.arange(n), n, self.config.length_buckets, mask_truncated=False
+        )
+        logp = np.asarray(self._logprob_fn(self._fn, self._params, *self._place(mb)[:3]))
+        out = [np.empty(0, np.float32)] * n
+        for i, r in enumerate(mb.rows):
+            p, t = len(trajectories[r].prompt_tokens), len(trajectories[r].response_tokens)
+            out[r] = logp[i, p - 1 : p - 1 + t]
+        return out
+
+    def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """One iteration on exactly `tbs` samples; returns its metrics."""
+        cfg = self.config
+        start = time.perf_counter()
+        samples = batch_lib.group_batch(trajectories, cfg.tbs, cfg.group_size)
+        staleness = np.asarray([self._version - t.version for t in samples])
+        if (staleness < 0).any():
+            raise ValueError(
+                f"a sample has version {max(t.version for t in samples)} > trainer version "
+                f"{self._version}"
+            )
+        if cfg.max_staleness is not None and staleness.max() > cfg.max_staleness:
+            raise ValueError(
+                f"C3 violated: staleness {staleness.max()} > max_staleness={cfg.max_staleness}"
+            )
+        rewards = np.asarray([t.reward for t in samples], np.float32)
+        adv = np.asarray(advantage_lib.compute(rewards.reshape(-1, cfg.group_size), cfg))
+        adv = adv.reshape(-1)
+        lengths = batch_lib.loss_lengths(samples, cfg.mask_truncated)
+        sums: dict[str, Any] = defaultdict(float)
+        ratio_max, losses, grad_norms, oks, padded = [], [], [], [], 0
+        for m in range(cfg.mini_batches):
+            rows = np.arange(m * cfg.mini_batch_size, (m + 1) * cfg.mini_batch_size)
+            weights = np.zeros(len(samples), np.float32)
+            weights[rows] = loss_lib.sample_weights(lengths[rows], cfg.aggregation, cfg.t_max)
+            acc = self._zeros(self._params)
+            loss = jnp.float32(0.0)
+            for mb in batch_lib.micro_batches(
+                samples, rows, cfg.micro_batch, cfg.length_buckets, cfg.mask_truncated
+            ):
+                padded += mb.tokens.size
+                inputs = self._inputs(mb, samples, adv, weights)
+                acc, micro_sums = self._grad_fn(self._params, acc, inputs)
+                loss = loss + micro_sums.pop("loss")
+                ratio_max.append(micro_sums.pop("ratio_max"))
+                for k, v in micro_sums.items():
+                    sums[k] = sums[k] + v
+            self._params, self._opt_state, grad_norm, ok = self._apply_fn(
+                self._params, self._opt_state, acc, loss
+            )
+            losses.append(loss)
+            grad_norms.append(grad_norm)
+            oks.append(ok)
+        ok_host = np.asarray(jax.device_get(oks))
+        self._skipped += int((~ok_host).sum())
+        self._optimizer_steps += int(ok_host.sum())
+        sums = {k: float(v) for k, v in jax.device_get(dict(sums)).items()}
+        tokens = max(sums.pop("tokens"), 1.0)
+        metrics = {
+            "loss": float(np.mean(jax.device_get(losses))),
+            "grad_norm": float(np.mean(jax.device_get(grad_norms))),
+            "ratio_mean": sums.pop("ratio_sum") / tokens,
+            "ratio_max": float(np.max(jax.device_get(ratio_max))),
+            "entropy": sums.pop("entropy_sum") / tokens,
+            "tokens": tokens,
+            "pad_fraction": 1.0
+            - sum(len(t.prompt_tokens) + len(t.response_tokens) for t in samples) / padded,
+            "reward_mean": float(rewards.mean()),
+            "response_length_mean": float(np.mean([len(t.response_tokens) for t in samples])),
+            "masked_truncated": float(
+                sum(t.truncated for t in samples) if cfg.mask_truncated else 0
+            ),
+            "skipped_updates": float(self._skipped),
+            "skipped_this_step": float((~ok_host).sum()),
+            "learning_rate": float(self._schedule(self._optimizer_steps)),
+            "staleness_mean": float(staleness.mean()),
+            "staleness_max": float(staleness.max()),
+            "version": float(self._version),
+        }
+        if "kl_sum" in sums:
+            metrics["kl"] = sums.pop("kl_sum") / tokens
+        if "tis_capped" in sums:
+            metrics["tis_fraction"] = sums.pop("tis_capped") / tokens
+        metrics.update({f"clip_fraction/{name}": v / tokens for name, v in sums.items()})
+        metrics.update({f"staleness/{k}": float(n) for k, n in sorted(Counter(staleness).items())})
+        metrics["step_seconds"] = time.perf_counter() - start
+        return metrics
+
+    def publish(self, target_shardings: Any | None = None) -> Published:
+        """Ends the iteration: version v -> v + 1; returns a copy of the params placed on
+        `target_shardings` (e.g. `sharding_lib.param_shardings(trainer.params, gen_mesh)`),
+        or on the training mesh when None."""
+        start = time.perf_counter()
+        params = jax.device_put(
+            self._params,
+            self._shardings if target_shardings is None else target_shardings,
+            may_alias=False,
+        )
+        jax.block_until_ready(params)
+        seconds = time.perf_counter() - start
+        self._version += 1
+        if self.config.tis_cap is not None:
+            self._history[self._version] = self._copy(self._params)
+            oldest = self._version - self.config.max_staleness
+            self._history = {v: p for v, p in self._history.items() if v >= oldest}
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
+        return Published(
+            params, self._version, {"publish_seconds": seconds, "publish_bytes": float(nbytes)}
+        )
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _copy(self, params: Any) -> Any:
+        return jax.device_put(params, self._shardings, may_alias=False)
+
+    def _place(self, mb: batch_lib.MicroBatch) -> tuple[jax.Array, ...]:
+        """Puts a micro-batch's arrays on the mesh, rows split over `fsdp` when they divide."""
+        fsdp = self.mesh.shape["fsdp"]
+        spec = PartitionSpec("fsdp") if len(mb.rows) % fsdp == 0 else PartitionSpec()
+        sharding = NamedSharding(self.mesh, spec)
+        arrays = (mb.tokens, mb.positions, mb.targets, mb.mask, mb.behaviour_logp)
+        return tuple(jax.device_put(a, sharding) for a in arrays)
+
+    def _inputs(
+        self,
+        mb: batch_lib.MicroBatch,
+        samples: Sequence[Trajectory],
+        adv: np.ndarray,
+        weights: np.ndarray,
+    ) -> dict[str, Any]:
+        tokens, positions, targets, mask, behaviour = self._place(mb)
+        inputs: dict[str, Any] = {
+            "tokens": tokens,
+            "positions": positions,
+            "targets": targets,
+            "mask": mask,
+            "behaviour_logp": behaviour,
+            "advantages": jnp.asarray(adv[mb.rows]),
+            "weights": mask * jnp.asarray(weights[mb.rows])[:, None],
+            "ref_logp": None,
+            "train_behaviour_logp": None,
+        }
+        if self._ref is not None:
+            inputs["ref_logp"] = self._logprob_fn(
+                self._ref[0], self._ref[1], tokens, positions, targets
+            )
+        if self.config.tis_cap is not None:
+            versions = np.asarray([samples[r].version for r in mb.rows])
+            train_logp = jnp.zeros(mask.shape, jnp.float32)
+            for v in np.unique(versions):
+                if int(v) not in self._history:
+                    raise ValueError(f"no params kept for version {v} (TIS keeps max_staleness)")
+                logp_v = self._logprob_fn(
+                    self._fn, self._history[int(v)], tokens, positions, targets
+                )
+                train_logp = jnp.where(jnp.asarray(versions == v)[:, None], logp_v, train_logp)
+            inputs["train_behaviour_logp"] = train_logp
+        return inputs
+
+    def _accumulate(self, params: Any, acc: Any, inputs: dict[str, Any]) -> tuple[Any, dict]:
+        def loss_fn(params):
+            logits = self._fn.forward(params, inputs["tokens"], inputs["positions"]).logits
+            logp, entropy = loss_lib.token_logprobs(logits, inputs["targets"])
+            loss, sums = loss_lib.policy_loss(
+                logp,
+                inputs["behaviour_logp"],
+                inputs["advantages"],
+                inputs["mask"],
+                inputs["weights"],
+                self.config,
+                train_behaviour_logp=inputs["train_behaviour_logp"],
+                ref_logp=inputs["ref_logp"],
+            )
+            sums["entropy_sum"] = jnp.where(inputs["mask"] > 0, entropy, 0.0).sum()
+            return loss, sums
+
+        (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        sums["loss"] = loss
+        return jax.tree.map(jnp.add, acc, grads), sums
+
+    def _apply(self, params: Any, opt_state: Any, grads: Any, loss: jax.Array):
+        grad_norm = optax.global_norm(grads)
+        ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+        updates, new_opt_state = self._tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jnp.where(ok, new, old)
+        return (
+            jax.tree.map(keep, new_params, params),
+            jax.tree.map(keep, new_opt_state, opt_state),
+            grad_norm,
+            ok,
+        )
+
+
+def _logprobs(fn: Functional, params: Any, tokens, positions, targets) -> jax.Array:
+    logits = fn.forward(params, tokens, positions).logits
+    return loss_lib.token_logprobs(logits, targets)[0]
