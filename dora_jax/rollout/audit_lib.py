@@ -1,0 +1,174 @@
+"""`dora-jax audit WORKDIR`: re-checks C1-C3 from the ledger alone and reports length bias.
+
+Independent of the runtime on purpose: it trusts nothing but `ledger.jsonl`, so a bug in the
+orchestrator's own bookkeeping cannot hide a lost, duplicated or too-stale sample.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from dora_jax.rollout import ledger_lib
+
+
+@dataclasses.dataclass
+class LengthStats:
+    count: int
+    mean: float
+    p50: float
+    p99: float
+
+    @classmethod
+    def of(cls, lengths: list[int]) -> LengthStats:
+        if not lengths:
+            return cls(0, 0.0, 0.0, 0.0)
+        a = np.asarray(lengths, np.float64)
+        return cls(
+            len(a), float(a.mean()), float(np.percentile(a, 50)), float(np.percentile(a, 99))
+        )
+
+
+@dataclasses.dataclass
+class AuditReport:
+    """Pass/fail per rule with the evidence, plus the counters the runtime also keeps."""
+
+    rules: dict[str, bool]
+    problems: dict[str, list[str]]
+    mode: str
+    dispatched: int
+    trained: int
+    iterations: int
+    c1_violations: int
+    max_staleness: int
+    staleness_histogram: dict[int, int]
+    in_flight_at_end: int
+    queued_at_end: int
+    trained_lengths: LengthStats
+    finished_lengths: LengthStats
+
+    @property
+    def passed(self) -> bool:
+        return all(self.rules.values())
+
+    def format(self) -> str:
+        lines = [f"audit of a {self.mode!r} run: {'PASS' if self.passed else 'FAIL'}"]
+        for rule, ok in self.rules.items():
+            lines.append(f"  {rule}: {'pass' if ok else 'FAIL'}")
+            lines += [f"    - {p}" for p in self.problems[rule][:10]]
+            if len(self.problems[rule]) > 10:
+                lines.append(f"    ... {len(self.problems[rule]) - 10} more")
+        lines.append(
+            f"  samples: {self.dispatched} dispatched, {self.trained} trained in "
+            f"{self.iterations} iterations, {self.in_flight_at_end} in flight and "
+            f"{self.queued_at_end} queued at the end"
+        )
+        lines.append(
+            f"  C1 violations: {self.c1_violations}; max staleness {self.max_staleness}; "
+            f"staleness histogram {dict(sorted(self.staleness_histogram.items()))}"
+        )
+        for name, s in (("trained", self.trained_lengths), ("finished", self.finished_lengths)):
+            lines.append(
+                f"  response length of {name} samples: n={s.count} mean={s.mean:.1f} "
+                f"p50={s.p50:.1f} p99={s.p99:.1f}"
+            )
+        return "\n".join(lines)
+
+
+def audit_events(events: list[dict[str, Any]]) -> AuditReport:
+    problems: dict[str, list[str]] = {"C1": [], "C2": [], "C3": []}
+    starts = [e for e in events if e["event"] == "start"]
+    ends = [e for e in events if e["event"] == "end"]
+    dispatches = [e for e in events if e["event"] == "dispatch"]
+    trains = [e for e in events if e["event"] == "train"]
+    if len(starts) != 1:
+        problems["C3"].append(f"expected one start event with the bounds, found {len(starts)}")
+    start = starts[0] if starts else {}
+    k = start.get("staleness_bound")
+    tbs = start.get("train_batch_size")
+    g = start.get("group_size")
+
+    # C1: every token of a trajectory from one version.
+    c1 = 0
+    for e in trains:
+        if not (e["version"] == e["first_token_version"] == e["last_token_version"]):
+            c1 += 1
+            problems["C1"].append(
+                f"sample {e['prompt_id']}/{e['sample_index']}: version {e['version']}, tokens "
+                f"from {e['first_token_version']} to {e['last_token_version']}"
+            )
+
+    # C2: started => trained exactly once or still in flight / queued; groups complete.
+    dispatched = {(e["prompt_id"], e["sample_index"]) for e in dispatches}
+    trained_count = collections.Counter((e["prompt_id"], e["sample_index"]) for e in trains)
+    for key, n in sorted(trained_count.items()):
+        if n > 1:
+            problems["C2"].append(f"sample {key} trained {n} times")
+        if key not in dispatched:
+            problems["C2"].append(f"sample {key} trained but never dispatched")
+    if len(ends) != 1:
+        problems["C2"].append(f"expected one end event, found {len(ends)} (run did not stop?)")
+    end = ends[-1] if ends else {"in_flight": [], "queued": [], "queued_response_lengths": []}
+    in_flight = {tuple(k_) for k_ in end["in_flight"]}
+    queued = {tuple(k_) for k_ in end["queued"]}
+    for key in sorted(in_flight & queued):
+        problems["C2"].append(f"sample {key} listed both in flight and queued")
+    for key in sorted((in_flight | queued) & set(trained_count)):
+        problems["C2"].append(f"sample {key} trained and still listed at the end")
+    for key in sorted(dispatched - set(trained_count) - in_flight - queued):
+        problems["C2"].append(f"sample {key} dispatched, never trained, not in flight: lost")
+    groups: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+    for e in trains:
+        groups[(e["iteration"], e["prompt_id"])].append(e["sample_index"])
+    for (it, pid), idx in sorted(groups.items()):
+        if g is not None and sorted(idx) != list(range(g)):
+            problems["C2"].append(f"iteration {it}: group {pid} trained incomplete ({sorted(idx)})")
+
+    # C3: bounded staleness and exactly TBS per iteration.
+    hist = collections.Counter()
+    for e in trains:
+        s = e["trainer_version"] - e["version"]
+        hist[s] += 1
+        if s != e["staleness"]:
+            problems["C3"].append(f"sample {e['prompt_id']}/{e['sample_index']}: bad staleness")
+        if k is not None and not 0 <= s <= k:
+            problems["C3"].append(
+                f"sample {e['prompt_id']}/{e['sample_index']} trained at staleness {s} > K={k}"
+            )
+    per_iter = collections.Counter(e["iteration"] for e in trains)
+    for it, n in sorted(per_iter.items()):
+        if tbs is not None and n != tbs:
+            problems["C3"].append(f"iteration {it} trained {n} samples, TBS={tbs}")
+
+    trained_lengths = [e["response_length"] for e in trains]
+    finished_lengths = trained_lengths + list(end.get("queued_response_lengths", []))
+    return AuditReport(
+        rules={rule: not p for rule, p in problems.items()},
+        problems=problems,
+        mode=start.get("mode", "?"),
+        dispatched=len(dispatched),
+        trained=len(trains),
+        iterations=len(per_iter),
+        c1_violations=c1,
+        max_staleness=max(hist) if hist else 0,
+        staleness_histogram=dict(hist),
+        in_flight_at_end=len(in_flight),
+        queued_at_end=len(queued),
+        trained_lengths=LengthStats.of(trained_lengths),
+        finished_lengths=LengthStats.of(finished_lengths),
+    )
+
+
+def audit(workdir: str) -> AuditReport:
+    """Audits `workdir/ledger.jsonl`."""
+    return audit_events(ledger_lib.read(workdir))
+
+
+def main(workdir: str) -> int:
+    """Prints the audit of `workdir` and returns the process exit code (1 if a rule fails)."""
+    report = audit(workdir)
+    print(report.format())
+    return 0 if report.passed else 1

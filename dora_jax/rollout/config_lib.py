@@ -1,0 +1,69 @@
+"""Rollout configuration (`config.rollout`), validated up front with errors naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    mode: str = "dora"  # a name in paradigms_lib.PARADIGMS
+    train_batch_size: int = 8  # TBS: samples per training iteration
+    rollout_batch_size: int = 16  # RBS: samples kept in flight (dora, partial)
+    group_size: int = 4  # G: samples per prompt
+    staleness_bound: int = 2  # K: max trainer_version - sample_version (dora, partial)
+    num_iterations: int = 4
+    timer_steps: int = 16  # the orchestrator's periodic trigger, in decode steps
+    kv_pressure: float = 0.9  # KV-cache fill fraction of an instance that triggers it
+    # Decode steps between the start of a training step and the use of its new version: the
+    # logical time the trainer is given, so decisions never depend on wall-clock races.
+    publish_delay_steps: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from dora_jax.rollout import paradigms_lib  # registry; imported late to avoid a cycle
+
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"rollout.{field}={getattr(self, field)!r}: {why}")
+
+        if self.mode not in paradigms_lib.PARADIGMS:
+            raise bad(
+                "mode", f"unknown paradigm, expected one of {sorted(paradigms_lib.PARADIGMS)}"
+            )
+        for field in (
+            "train_batch_size",
+            "rollout_batch_size",
+            "group_size",
+            "num_iterations",
+            "timer_steps",
+        ):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+                raise bad(field, "must be a positive integer")
+        for field in ("staleness_bound", "publish_delay_steps"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 0:
+                raise bad(field, "must be an integer >= 0")
+        if self.train_batch_size % self.group_size:
+            raise bad("train_batch_size", f"must be a multiple of group_size={self.group_size}")
+        if self.rollout_batch_size % self.group_size:
+            raise bad("rollout_batch_size", f"must be a multiple of group_size={self.group_size}")
+        if self.mode in ("dora", "partial") and self.rollout_batch_size < self.train_batch_size:
+            raise bad(
+                "rollout_batch_size",
+                f"must be >= train_batch_size={self.train_batch_size} in {self.mode} mode",
+            )
+        if not 0 < self.kv_pressure <= 1:
+            raise bad("kv_pressure", "must be in (0, 1]")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> RolloutConfig:
+        """From `config.rollout` (a dict or ConfigDict); unknown keys are an error."""
+        d = dict(d)
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"rollout: unknown fields {sorted(unknown)}")
+        return cls(**d)
+
+    @property
+    def groups_per_batch(self) -> int:
+        return self.train_batch_size // self.group_size

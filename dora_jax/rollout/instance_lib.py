@@ -1,0 +1,164 @@
+"""A rollout instance: one generation mesh, one engine, its decode slots, one version at a time.
+
+The instance holds a real copy of its version's params on its own devices; loading another
+version replaces (and so frees) it. It drives the engine through JetStream's API
+(`prefill` / `insert` / `generate`) plus the slot moves DORA needs (`export_slot`,
+`import_slot`, `free_slot`). `dispatch_generate` only enqueues the decode step (JAX async
+dispatch), so the controller can start every instance's step before it reads any token back:
+that is where generation meshes overlap with each other and with the trainer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from dora_jax.rollout.request_lib import Request
+
+
+def tree_nbytes(tree: Any) -> int:
+    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)))
+
+
+def read_slot(result: Any, slot: int) -> tuple[int, float, bool]:
+    """(token, behaviour log-prob, request finished) of `slot` in a ResultTokens."""
+    data = result.get_result_at_slot(slot)
+    token = int(np.asarray(data.tokens).reshape(-1)[0])
+    logprob = float(np.asarray(data.logprobs).reshape(-1)[0])
+    done = bool(np.asarray(data.done).reshape(-1)[0])
+    return token, logprob, done
+
+
+class RolloutInstance:
+    def __init__(self, index: int, engine: Any, param_shardings: Any):
+        self.index = index
+        self.engine = engine
+        self.param_shardings = param_shardings
+        self.version: int | None = None
+        self.params: Any = None
+        self.slots: list[Request | None] = [None] * engine.max_concurrent_decodes
+        self.decode_state = engine.init_decode_state()
+        self.healthy = True
+        self._pending_result: Any = None
+
+    @property
+    def name(self) -> str:
+        return f"instance{self.index}"
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    def active(self) -> list[int]:
+        return [i for i, r in enumerate(self.slots) if r is not None]
+
+    def free(self) -> list[int]:
+        return [i for i, r in enumerate(self.slots) if r is None]
+
+    def kv_tokens(self) -> int:
+        """Positions held in the KV cache (prompt + generated) over all busy slots."""
+        return sum(len(r.prompt.tokens) + len(r.tokens) for r in self.slots if r is not None)
+
+    def load(self, version: int, params: Any) -> tuple[float, int]:
+        """Hosts `version`: copies `params` (from the trainer or another instance) here.
+
+        Returns (seconds, bytes). The previous version's copy is dropped, which frees it.
+        """
+        if self.active():
+            raise RuntimeError(f"{self.name}: cannot switch versions with requests in its slots")
+        start = time.perf_counter()
+        self.params = None
+        self.params = jax.device_put(params, self.param_shardings, may_alias=False)
+        jax.block_until_ready(self.params)
+        self.version = version
+        return time.perf_counter() - start, tree_nbytes(self.params)
+
+    def unload(self) -> None:
+        """Frees the hosted version's params (its version retired)."""
+        self.params = None
+        self.version = None
+
+    def start(self, request: Request, slot: int) -> bool:
+        """Prefills `request` (prompt plus anything generated so far) into `slot`.
+
+        Returns True when the request already finished with its first token.
+        """
+        if self.slots[slot] is not None:
+            raise RuntimeError(f"{self.name}: slot {slot} is busy")
+        tokens = np.concatenate(
+            [np.asarray(request.prompt.tokens, np.int32), np.asarray(request.tokens, np.int32)]
+        )
+        prefix, result = self.engine.prefill(
+            params=self.params,
+            padded_tokens=tokens,
+            true_length=len(tokens),
+            seed=request.seed,
+            max_new_tokens=request.max_new_tokens - len(request.tokens),
+            ignore_eos=request.prompt.ignore_eos,
+        )
+        token, logprob, done = read_slot(result, 0)
+        request.started = True
+        request.record(token, logprob, self.version)
+        if not done:
+            self.decode_state = self.engine.insert(prefix, self.decode_state, slot)
+            self.slots[slot] = request
+        return done
+
+    def dispatch_generate(self) -> None:
+        """Enqueues one decode step for every slot (does not wait for it)."""
+        self.decode_state, self._pending_result = self.engine.generate(
+            self.params, self.decode_state
+        )
+
+    def collect(self) -> list[Request]:
+        """Reads the step's tokens back; returns the requests that finished (slots freed)."""
+        result, self._pending_result = self._pending_result, None
+        finished = []
+        for slot in self.active():
+            request = self.slots[slot]
+            token, logprob, done = read_slot(result, slot)
+            request.record(token, logprob, self.version)
+            if done:
+                request.truncated = len(request.tokens) >= request.max_new_tokens
+                self._release(slot)
+                finished.append(request)
+        return finished
+
+    def _release(self, slot: int) -> None:
+        self.decode_state = self.engine.free_slot(self.decode_state, slot)
+        self.slots[slot] = None
+
+    def export(self, slot: int) -> tuple[Request, Any]:
+        """Moves a request's decoding state out (for a migration); the slot becomes free."""
+        request = self.slots[slot]
+        exported = self.engine.export_slot(self.decode_state, slot)
+        self._release(slot)
+        return request, exported
+
+    def import_(self, slot: int, request: Request, exported: Any) -> None:
+        """Installs an exported request; it continues without re-prefill."""
+        if request.version != self.version:
+            raise RuntimeError(
+                f"{self.name} hosts v{self.version}, cannot take a v{request.version} request"
+            )
+        self.decode_state = self.engine.import_slot(self.decode_state, slot, exported)
+        self.slots[slot] = request
+
+    def evict_all(self) -> list[Request]:
+        """Takes every request out of the slots, keeping what they generated."""
+        requests = [self.slots[s] for s in self.active()]
+        for s in self.active():
+            self._release(s)
+        return requests
+
+    def fail(self) -> list[Request]:
+        """Marks the instance dead after an error; returns its requests (state untrusted)."""
+        self.healthy = False
+        requests = [r for r in self.slots if r is not None]
+        self.slots = [None] * self.num_slots
+        self.unload()
+        self._pending_result = None
+        return requests

@@ -1,0 +1,143 @@
+"""The rollout paradigms, by name: `sync`, `one_step_off`, `partial`, `dora`.
+
+All four run in the same loop (`runner_lib`), same model, same data; a paradigm only decides
+(1) its bounds (K, RBS), (2) what to dispatch under which version, (3) which instance hosts
+which version and what moves between instances, (4) whether spare slots take extra work.
+Every dispatch also passes the version window's admission test, so C3 holds by construction;
+`partial` breaks C1 on purpose (re-prefill under the new version mid-trajectory) and the ledger
+shows it. Add a paradigm by subclassing `Paradigm` and registering it in `PARADIGMS`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dora_jax.rollout import orchestrator_lib
+
+if TYPE_CHECKING:
+    from dora_jax.rollout.config_lib import RolloutConfig
+    from dora_jax.rollout.runner_lib import Rollout
+
+
+class Paradigm:
+    def bounds(self, config: RolloutConfig) -> tuple[int, int]:
+        """(staleness bound K, samples kept in flight RBS)."""
+        return config.staleness_bound, config.rollout_batch_size
+
+    def top_up(self, r: Rollout) -> None:
+        """Keeps RBS samples outstanding, all new ones under the newest version."""
+        g = r.config.group_size
+        while sum(r.outstanding().values()) + g <= r.rollout_batch_size and r.window.admits(
+            r.window.newest, r.selected
+        ):
+            r.dispatch_group(r.window.newest)
+
+    def rebalance(self, r: Rollout, triggers: set[str]) -> None:
+        """An empty instance takes the oldest version with work waiting (no migrations)."""
+        waiting = sorted(v for v, q in r.pending.items() if q)
+        for x in r.healthy():
+            if waiting and not x.active() and x.version not in waiting:
+                holder = next((y for y in r.healthy() if y.version == waiting[0]), None)
+                r.load(x, waiting[0], holder)
+
+    def fill_spare(self, r: Rollout) -> None:
+        """Only `dora` gives spare slots extra work."""
+
+
+class Sync(Paradigm):
+    """Generate exactly one batch under the newest version, train on it, repeat (K = 0)."""
+
+    def bounds(self, config: RolloutConfig) -> tuple[int, int]:
+        return 0, config.train_batch_size
+
+    def top_up(self, r: Rollout) -> None:
+        b = r.config.groups_per_batch
+        if r.dispatched_per_version[r.window.newest] < b and r.window.admits(
+            r.window.newest, r.selected, b
+        ):
+            for _ in range(b):
+                r.dispatch_group(r.window.newest)
+
+
+class OneStepOff(Sync):
+    """Batch i+1 is generated (under version i) while batch i trains: staleness exactly 1.
+
+    Version 0 generates the first two batches (the first trains at staleness 0).
+    """
+
+    def bounds(self, config: RolloutConfig) -> tuple[int, int]:
+        return 1, config.train_batch_size
+
+    def top_up(self, r: Rollout) -> None:
+        b = r.config.groups_per_batch
+        v = r.window.newest
+        quota = 2 * b if v == 0 else b
+        while r.dispatched_per_version[v] < quota and r.window.admits(v, r.selected, b):
+            for _ in range(b):
+                r.dispatch_group(v)
+
+
+class Partial(Paradigm):
+    """AReaL / Kimi-style partial rollout: at each weight update every in-flight request is
+    interrupted, the instance loads the new version, and the request is re-prefilled (prompt
+    plus its tokens so far) and continued: tokens of one trajectory from several versions."""
+
+    def rebalance(self, r: Rollout, triggers: set[str]) -> None:
+        newest = r.window.newest
+        for version in [v for v in r.pending if v != newest]:  # not started: just rebind
+            for request in r.pending.pop(version):
+                request.version = newest
+                r.queue.rebind(request.key, newest)
+                r.pending[newest].append(request)
+        holder = None
+        for x in r.healthy():
+            if x.version == newest:
+                holder = holder or x
+                continue
+            interrupted = x.evict_all()
+            r.load(x, newest, holder)
+            holder = holder or x
+            for slot, request in zip(x.free(), interrupted, strict=False):
+                r.start(x, request, slot)
+            r.telemetry.counters["reprefills"] += len(interrupted)
+
+
+class Dora(Paradigm):
+    """Multi-version streaming rollout (DESIGN.md): over-provisioning, the version window,
+    proportional instance allocation with weight moves and request migration on triggers,
+    and staleness-aware filling of spare slots."""
+
+    def rebalance(self, r: Rollout, triggers: set[str]) -> None:
+        if not triggers:
+            return
+        healthy = r.healthy()
+        views = [
+            orchestrator_lib.InstanceView(x.index, x.version, tuple(x.active()), tuple(x.free()))
+            for x in healthy
+        ]
+        targets = orchestrator_lib.allocate(len(healthy), r.outstanding())
+        plan = orchestrator_lib.plan(views, targets, r.window.newest)
+        for m in plan.migrations:
+            r.migrate(r.instances[m.src], m.src_slot, r.instances[m.dst], m.dst_slot)
+        for move in plan.weight_moves:
+            source = None if move.source is None else r.instances[move.source]
+            r.load(r.instances[move.instance], move.version, source)
+
+    def fill_spare(self, r: Rollout) -> None:
+        """Spare slots take new groups for live versions, freshest first, if still trainable."""
+        g = r.config.group_size
+        for version in reversed(r.window.live()):
+            hosts = [x for x in r.healthy() if x.version == version]
+            spare = sum(len(x.free()) for x in hosts) - len(r.pending.get(version, ()))
+            while spare >= g and r.window.admits(version, r.selected):
+                r.dispatch_group(version)
+                r.telemetry.counters["spare_fills"] += 1
+                spare -= g
+
+
+PARADIGMS: dict[str, type[Paradigm]] = {
+    "sync": Sync,
+    "one_step_off": OneStepOff,
+    "partial": Partial,
+    "dora": Dora,
+}

@@ -1,0 +1,360 @@
+"""The rollout loop shared by every paradigm: logical decode steps, the trainer, the ledger.
+
+Time is logical. Each loop turn is one decode step on every busy instance; the trainer's step
+runs on a worker thread and its new version is taken up `publish_delay_steps` decode steps
+later (or at once if rollout has nothing left to do), so every decision depends on step counts,
+completions and versions only and the same config and seed give the same ledger. The wall-clock
+overlap comes from JAX's asynchronous dispatch: every instance's decode step is enqueued before
+any token is read back, and the trainer computes on its own mesh meanwhile.
+
+The paradigm (`paradigms_lib`) decides what to dispatch and which instance hosts which version;
+this module does the mechanics: dispatch, admission into slots, decode, finish, migrate, load
+weights, train, publish, survive a failed instance, and record everything.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from dora_jax.models import sharding_lib
+from dora_jax.observe.trace_lib import TraceWriter
+from dora_jax.rollout import ledger_lib, paradigms_lib
+from dora_jax.rollout.config_lib import RolloutConfig
+from dora_jax.rollout.instance_lib import RolloutInstance, tree_nbytes
+from dora_jax.rollout.queue_lib import TrajectoryQueue
+from dora_jax.rollout.request_lib import PromptSource, Request, RewardFn
+from dora_jax.rollout.telemetry_lib import TRAINER_TRACK, Telemetry
+from dora_jax.rollout.trajectory_lib import Trajectory
+from dora_jax.rollout.window_lib import VersionWindow
+
+
+class Rollout:
+    """One run of a paradigm: `Rollout(...).run()` trains `num_iterations` batches."""
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        engines: Sequence[Any],
+        trainer: Any,
+        prompts: PromptSource,
+        reward_fn: RewardFn,
+        workdir: str,
+    ):
+        self.config = config
+        self.paradigm = paradigms_lib.PARADIGMS[config.mode]()
+        k, self.rollout_batch_size = self.paradigm.bounds(config)
+        self.trainer = trainer
+        self.prompts = prompts
+        self.reward_fn = reward_fn
+        self.workdir = workdir
+        self.instances = [
+            RolloutInstance(i, e, sharding_lib.param_shardings(trainer.params, e.mesh))
+            for i, e in enumerate(engines)
+        ]
+        self.queue = TrajectoryQueue(config.group_size, k, config.groups_per_batch)
+        self.window = VersionWindow(self.queue)
+        self.ledger = ledger_lib.Ledger(workdir)
+        self.ledger.start(
+            mode=config.mode,
+            staleness_bound=k,
+            train_batch_size=config.train_batch_size,
+            group_size=config.group_size,
+        )
+        self.trace = TraceWriter(f"dora_jax rollout ({config.mode})")
+        self.telemetry = Telemetry(
+            len(self.instances), [x.num_slots for x in self.instances], self.trace
+        )
+        # Version 0 is the trainer's initial params, copied before its first step donates them.
+        self.newest_params = jax.device_put(
+            trainer.params, self.instances[0].param_shardings, may_alias=False
+        )
+        self.tick = 0
+        self.selected = 0  # batches handed to the trainer
+        self.next_prompt = 0
+        self.pending: dict[int, collections.deque[Request]] = collections.defaultdict(
+            collections.deque
+        )
+        self.unfinished: dict[tuple[int, int], Request] = {}  # dispatched, not finished
+        self.dispatched_per_version: collections.Counter[int] = collections.Counter()
+        self.totals: collections.Counter[str] = collections.Counter()
+        self.metrics: list[dict[str, float]] = []
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
+        self._training: tuple[concurrent.futures.Future, list[Trajectory], float] | None = None
+        self._publish_tick = 0
+        self._last_publish_us = self.trace.now_us()
+        self._trainer_busy_s = 0.0
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(self) -> list[dict[str, float]]:
+        """Runs until `num_iterations` batches are trained; returns per-iteration metrics."""
+        try:
+            while self.window.newest < self.config.num_iterations:
+                self._turn()
+        finally:
+            self._executor.shutdown(wait=True)
+            self._stop()
+        return self.metrics
+
+    def _turn(self) -> None:
+        triggers: set[str] = set()
+        if self._training is not None and self.tick >= self._publish_tick:
+            self._publish()
+            triggers.add("new_version")
+        if self._training is None:
+            self._try_train()
+        if self.selected < self.config.num_iterations:
+            self.paradigm.top_up(self)
+        if self.tick % self.config.timer_steps == 0:
+            triggers.add("timer")
+        if any(x.kv_tokens() > self.config.kv_pressure * _kv_capacity(x) for x in self.healthy()):
+            triggers.add("kv_pressure")
+        if any(not x.active() for x in self.healthy()) and self.outstanding():
+            triggers.add("idle")
+        self._rehome_orphans()
+        self.paradigm.rebalance(self, triggers)
+        self._admit()
+        if self.selected < self.config.num_iterations:
+            self.paradigm.fill_spare(self)
+            self._admit()
+        if any(x.active() for x in self.healthy()):
+            self._decode()
+        elif self._training is not None:
+            self._publish_tick = self.tick  # nothing to decode: take the new version now
+        elif self.window.newest < self.config.num_iterations:
+            raise RuntimeError(
+                f"rollout stalled at step {self.tick}: {self.selected} batches selected, "
+                f"live versions {self.window.live()}, outstanding {self.outstanding()}"
+            )
+        self.tick += 1
+
+    def healthy(self) -> list[RolloutInstance]:
+        return [x for x in self.instances if x.healthy]
+
+    def outstanding(self) -> dict[int, int]:
+        """Unfinished requests per version (pending or in a slot)."""
+        counts: collections.Counter[int] = collections.Counter(
+            {v: len(q) for v, q in self.pending.items() if q}
+        )
+        for x in self.healthy():
+            for slot in x.active():
+                counts[x.slots[slot].version] += 1
+        return dict(counts)
+
+    # -- dispatch, admission, decode --------------------------------------------------------
+
+    def dispatch_group(self, version: int) -> None:
+        spec = self.prompts(self.next_prompt)
+        if len(spec.max_new_tokens) != self.config.group_size:
+            raise ValueError(
+                f"prompt {self.next_prompt}: {len(spec.max_new_tokens)} sample limits for "
+                f"rollout.group_size={self.config.group_size}"
+            )
+        self.queue.add_group(self.next_prompt, version)
+        for i in range(self.config.group_size):
+            seed = int(
+                np.random.default_rng([self.config.seed, self.next_prompt, i]).integers(2**31)
+            )
+            self.pending[version].append(Request(spec, i, seed, version))
+        self.dispatched_per_version[version] += 1
+        self.next_prompt += 1
+
+    def _admit(self) -> None:
+        for x in self.healthy():
+            queue = self.pending.get(x.version)
+            for slot in x.free():
+                if not queue:
+                    break
+                self.start(x, queue.popleft(), slot)
+
+    def start(self, x: RolloutInstance, request: Request, slot: int) -> None:
+        if not request.started:
+            self.ledger.dispatch(*request.key, request.version, self.selected)
+            self.unfinished[request.key] = request
+        t0 = self.trace.now_us()
+        if x.start(request, slot):
+            self._finish(request)
+        self.telemetry.action(x.name, "prefill", t0, self.trace.now_us(), version=x.version)
+        self.telemetry.counters["prefills"] += 1
+
+    def _decode(self) -> None:
+        t0 = self.trace.now_us()
+        busy = [len(x.active()) if x.healthy else 0 for x in self.instances]
+        stepping = [x for x in self.healthy() if x.active()]
+        failed = []
+        for x in stepping:  # enqueue every instance's step before reading any back
+            try:
+                x.dispatch_generate()
+            except Exception:  # noqa: BLE001 - any engine error takes the instance out
+                failed.append(x)
+        for x in stepping:
+            if x in failed:
+                continue
+            try:
+                finished = x.collect()
+            except Exception:  # noqa: BLE001
+                failed.append(x)
+                continue
+            for request in finished:
+                self._finish(request)
+        now = self.trace.now_us()
+        for x in self.healthy():
+            label = "decode" if busy[x.index] else "idle"
+            self.telemetry.state(x.name, f"{label} v{x.version}", t0, version=x.version)
+        self.telemetry.decode_step(busy, (now - t0) / 1e6)
+        for x in failed:
+            self._fail(x)
+
+    def _finish(self, request: Request) -> None:
+        traj = request.to_trajectory(
+            self.reward_fn(request.prompt.prompt_id, np.asarray(request.tokens, np.int32))
+        )
+        self.queue.finish(traj)
+        del self.unfinished[request.key]
+        self.totals["finished"] += 1
+
+    def _fail(self, x: RolloutInstance) -> None:
+        """Requeues a failed instance's requests from scratch under the newest version."""
+        self.telemetry.close(x.name, self.trace.now_us())
+        for request in x.fail():
+            request.restart(self.window.newest)
+            self.queue.rebind(request.key, self.window.newest)
+            self.pending[self.window.newest].appendleft(request)
+            self.totals["requeued"] += 1
+            self.telemetry.counters["requeued"] += 1
+        self.totals["failed_instances"] += 1
+        if not self.healthy():
+            raise RuntimeError("every rollout instance has failed")
+
+    def _rehome_orphans(self) -> None:
+        """Pending work of a version no instance holds any more goes to the newest version."""
+        hosted = {x.version for x in self.healthy()} | {self.window.newest}
+        for version in [v for v, q in self.pending.items() if q and v not in hosted]:
+            for request in self.pending.pop(version):
+                request.version = self.window.newest
+                self.queue.rebind(request.key, self.window.newest)
+                self.pending[self.window.newest].append(request)
+
+    # -- weights and migrations -------------------------------------------------------------
+
+    def load(self, x: RolloutInstance, version: int, source: RolloutInstance | None) -> None:
+        """Weight move: from `source` (an instance holding `version`) or the trainer's copy."""
+        params = source.params if source is not None else self.newest_params
+        if source is None and version != self.window.newest:
+            raise RuntimeError(f"v{version} is not held anywhere; cannot load it on {x.name}")
+        t0 = self.trace.now_us()
+        seconds, nbytes = x.load(version, params)
+        origin = "trainer" if source is None else source.name
+        self.telemetry.action(x.name, f"load v{version}", t0, self.trace.now_us(), source=origin)
+        self.telemetry.counters["weight_moves"] += 1
+        self.telemetry.counters["weight_move_s"] += seconds
+        self.telemetry.counters["weight_move_bytes"] += nbytes
+
+    def migrate(self, src: RolloutInstance, slot: int, dst: RolloutInstance, dst_slot: int):
+        """Moves a request with its KV cache to another instance of the same version."""
+        t0 = self.trace.now_us()
+        request, exported = src.export(slot)
+        nbytes = tree_nbytes(exported)
+        dst.import_(dst_slot, request, exported)
+        t1 = self.trace.now_us()
+        for x in (src, dst):
+            self.telemetry.action(x.name, "migrate", t0, t1, src=src.index, dst=dst.index)
+        self.telemetry.counters["migrations"] += 1
+        self.telemetry.counters["kv_bytes_moved"] += nbytes
+        self.totals["migrations"] += 1
+
+    # -- trainer ------------------------------------------------------------------------------
+
+    def _try_train(self) -> None:
+        if self.selected >= self.config.num_iterations:
+            return
+        batch = self.queue.select_batch(self.selected)
+        if batch is None:
+            return
+        if self.trainer.version != self.selected:
+            raise RuntimeError(
+                f"trainer at version {self.trainer.version}, expected {self.selected}"
+            )
+        for traj in batch:
+            self.ledger.train(traj, iteration=self.selected, trainer_version=self.trainer.version)
+            self.totals["trained"] += 1
+        self.selected += 1
+        start = self.trace.now_us()
+        future = self._executor.submit(self._train_step, batch)
+        self._training = (future, batch, start)
+        self._publish_tick = self.tick + self.config.publish_delay_steps
+        self._retire()
+
+    def _train_step(self, batch: list[Trajectory]) -> tuple[dict[str, float], float, float]:
+        t0 = self.trace.now_us()
+        metrics = self.trainer.step(batch)
+        return metrics, t0, self.trace.now_us()
+
+    def _publish(self) -> None:
+        future, batch, _ = self._training
+        wait0 = time.perf_counter()
+        train_metrics, t0, t1 = future.result()
+        waited = time.perf_counter() - wait0
+        if not any(x.active() for x in self.healthy()):
+            self.telemetry.idle_wait(waited)
+        self.trace.span(
+            TRAINER_TRACK,
+            f"train iteration {self.selected - 1}",
+            t0,
+            t1,
+            version=self.trainer.version,
+        )
+        self._trainer_busy_s += (t1 - t0) / 1e6
+        target = min(self.healthy(), key=lambda x: (len(x.active()), x.index))
+        published = self.trainer.publish(target.param_shardings)
+        self.newest_params = published.params
+        self.window.newest = published.version
+        self._training = None
+        now = self.trace.now_us()
+        interval = (now - self._last_publish_us) / 1e6
+        m = self.telemetry.iteration_metrics()
+        tokens = sum(len(t.prompt_tokens) + len(t.response_tokens) for t in batch)
+        staleness = collections.Counter(published.version - 1 - t.version for t in batch)
+        m.update({f"staleness/{s}": float(n) for s, n in sorted(staleness.items())})
+        m.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
+        m.update(
+            iteration=float(published.version - 1),
+            versions_live=float(len(self.window.live())),
+            step_time_s=(t1 - t0) / 1e6,
+            trainer_idle_s=max(interval - (t1 - t0) / 1e6, 0.0),
+            iteration_time_s=interval,
+            trained_tokens=float(tokens),
+            trained_tokens_per_s=tokens / max(interval, 1e-12),
+            publish_s=published.metrics.get("publish_seconds", 0.0),
+        )
+        self.metrics.append(m)
+        self._last_publish_us = now
+        self.telemetry.reset(now)
+
+    def _retire(self) -> None:
+        """Frees the params of versions that left the window (all their samples trained)."""
+        live = set(self.window.live())
+        for x in self.healthy():
+            if x.version is not None and x.version not in live and not x.active():
+                x.unload()
+
+    # -- end of run ---------------------------------------------------------------------------
+
+    def _stop(self) -> None:
+        in_flight = sorted(self.unfinished)
+        self.ledger.end(in_flight, self.queue.queued())
+        self.ledger.close()
+        self.telemetry.close_all(self.trace.now_us())
+        self.trace.save(os.path.join(self.workdir, "trace.json"))
+
+
+def _kv_capacity(x: RolloutInstance) -> int:
+    return x.num_slots * (x.engine.max_prefill_length + x.engine.max_decode_length)

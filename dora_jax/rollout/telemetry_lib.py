@@ -1,0 +1,79 @@
+"""Per-iteration rollout metrics and the timeline trace (one track per instance + trainer).
+
+Occupancy and bubbles are wall-time weighted: each decode step's duration counts for every
+instance, busy or not, and time the controller spends waiting for the trainer counts as idle
+for all of them, so the synchronous baseline's bubbles show up as what they cost.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from dora_jax.observe.trace_lib import TraceWriter
+
+TRAINER_TRACK = "trainer"
+
+
+class Telemetry:
+    def __init__(self, num_instances: int, num_slots: list[int], trace: TraceWriter):
+        self.trace = trace
+        self.num_slots = num_slots
+        self._open: dict[str, tuple[str, float, dict[str, Any]]] = {}  # track -> open span
+        self.reset(trace.now_us())
+
+    def reset(self, now_us: float) -> None:
+        n = len(self.num_slots)
+        self.window_start_us = now_us
+        self.busy_slot_time = [0.0] * n
+        self.busy_time = [0.0] * n
+        self.total_time = 0.0
+        self.rollout_time = 0.0
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # -- trace ----------------------------------------------------------------------------
+
+    def state(self, track: str, name: str, now_us: float, **args: Any) -> None:
+        """Sets `track`'s current state; consecutive identical states merge into one span."""
+        current = self._open.get(track)
+        if current is not None and current[0] == name and current[2] == args:
+            return
+        self.close(track, now_us)
+        self._open[track] = (name, now_us, args)
+
+    def close(self, track: str, now_us: float) -> None:
+        current = self._open.pop(track, None)
+        if current is not None:
+            self.trace.span(track, current[0], current[1], now_us, **current[2])
+
+    def action(self, track: str, name: str, start_us: float, end_us: float, **args: Any) -> None:
+        """A one-off span (prefill, migrate, load weights) that interrupts the state span."""
+        self.close(track, start_us)
+        self.trace.span(track, name, start_us, end_us, **args)
+
+    def close_all(self, now_us: float) -> None:
+        for track in list(self._open):
+            self.close(track, now_us)
+
+    # -- occupancy ------------------------------------------------------------------------
+
+    def decode_step(self, busy_slots: list[int], seconds: float) -> None:
+        for i, busy in enumerate(busy_slots):
+            self.busy_slot_time[i] += busy * seconds
+            self.busy_time[i] += seconds if busy else 0.0
+        self.total_time += seconds
+        self.rollout_time += seconds
+
+    def idle_wait(self, seconds: float) -> None:
+        self.total_time += seconds
+
+    def iteration_metrics(self) -> dict[str, float]:
+        total = max(self.total_time, 1e-12)
+        n = len(self.num_slots)
+        occupancy = [self.busy_slot_time[i] / (self.num_slots[i] * total) for i in range(n)]
+        m = {f"slot_occupancy/instance{i}": occupancy[i] for i in range(n)}
+        m["slot_occupancy"] = sum(self.busy_slot_time) / (sum(self.num_slots) * total)
+        m["bubble_fraction"] = 1.0 - sum(self.busy_time) / (n * total)
+        m["rollout_time_s"] = self.rollout_time
+        m.update({k: float(v) for k, v in self.counters.items()})
+        return m

@@ -1,0 +1,50 @@
+"""Builds a rollout run on the doubles: N instances of S slots over the 8 virtual devices."""
+
+from __future__ import annotations
+
+import jax
+
+from dora_jax.models import sharding_lib
+from dora_jax.rollout import request_lib, runner_lib
+from dora_jax.rollout.config_lib import RolloutConfig
+from tests.rollout.doubles import EngineDouble, TrainerDouble
+
+
+def make_rollout(
+    workdir: str,
+    *,
+    num_instances: int = 3,
+    slots: int = 4,
+    fail: dict[int, int] | None = None,
+    median_length: int = 6,
+    max_length: int = 80,
+    **config,
+) -> tuple[runner_lib.Rollout, TrainerDouble, list[EngineDouble]]:
+    cfg = RolloutConfig(**config)
+    devices = jax.devices()
+    engines = [
+        EngineDouble(
+            sharding_lib.make_mesh([devices[1 + i % 7]], 1, 1),
+            max_concurrent_decodes=slots,
+            fail_after_steps=(fail or {}).get(i),
+        )
+        for i in range(num_instances)
+    ]
+    k, _ = runner_lib.paradigms_lib.PARADIGMS[cfg.mode]().bounds(cfg)
+    trainer = TrainerDouble(
+        sharding_lib.make_mesh(devices[:1], 1, 1),
+        train_batch_size=cfg.train_batch_size,
+        group_size=cfg.group_size,
+        staleness_bound=k,
+    )
+    prompts = request_lib.heavy_tail_prompts(
+        seed=cfg.seed,
+        group_size=cfg.group_size,
+        vocab_size=64,
+        median_length=median_length,
+        max_length=max_length,
+    )
+    rollout = runner_lib.Rollout(
+        cfg, engines, trainer, prompts, lambda pid, toks: float(len(toks) % 2), workdir
+    )
+    return rollout, trainer, engines
