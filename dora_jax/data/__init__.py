@@ -1,0 +1,25 @@
+"""Input side of a run: tokenizers, prompt templates, grain prompt pipelines, built-in task."""
+
+from dora_jax.data.longtail_task import LongTailTask, length_stats
+from dora_jax.data.pipeline_lib import BadRowError, PromptIterator, prompt_dataset
+from dora_jax.data.source_lib import RowSource, memory_rows, open_files
+from dora_jax.data.template_lib import ChatTemplate, FormatTemplate, PromptTemplate, make_template
+from dora_jax.data.tokenizer_lib import Tokenizer, char_tokenizer, load_tokenizer
+
+__all__ = [
+    "BadRowError",
+    "ChatTemplate",
+    "FormatTemplate",
+    "LongTailTask",
+    "PromptIterator",
+    "PromptTemplate",
+    "RowSource",
+    "Tokenizer",
+    "char_tokenizer",
+    "length_stats",
+    "load_tokenizer",
+    "make_template",
+    "memory_rows",
+    "open_files",
+    "prompt_dataset",
+]

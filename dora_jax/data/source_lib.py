@@ -1,0 +1,122 @@
+"""Random-access row sources over JSONL, Parquet and ArrayRecord files (and in-memory rows).
+
+grain shuffles and checkpoints by *index*, so every source is a sequence: `len()` and
+`source[i]`. Each element is a `Row` that remembers where it came from (file and row number), so
+a malformed row can be reported precisely, and a global index that is stable for a given file
+list, from which prompt ids are made. Rows are returned unparsed (raw bytes or a dict): parsing
+and validation happen in the pipeline, where a bad row is counted or reported instead of
+crashing a reader thread.
+
+Formats:
+  * `.jsonl` / `.json` - one JSON object per line; every line is a row (a blank line is a bad
+    row, so row numbers equal line numbers - 1).
+  * `.parquet` - one row per table row; only the prompt and answer columns are read.
+  * `.array_record` / `.arrayrecord` - one UTF-8 JSON object per record.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grain
+import pyarrow.parquet as pq
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    index: int  # global index over all files of the source, in file order
+    file: str
+    row: int  # row number within `file`, 0-based
+    payload: Any  # bytes (JSONL, ArrayRecord) or dict (Parquet, memory)
+
+
+class _JsonlReader:
+    """Byte offsets of every line, found in one pass; rows are read with `pread` (thread-safe)."""
+
+    def __init__(self, path: str):
+        self._fd = os.open(path, os.O_RDONLY)
+        self._offsets = [0]
+        with open(path, "rb") as f:
+            for line in f:
+                self._offsets.append(self._offsets[-1] + len(line))
+        # A final newline ends the last row; it does not start an empty one.
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, i: int) -> bytes:
+        start, end = self._offsets[i], self._offsets[i + 1]
+        return os.pread(self._fd, end - start, start).rstrip(b"\r\n")
+
+
+class _ParquetReader:
+    """The needed columns as Python lists; a missing column or a null leaves the field absent."""
+
+    def __init__(self, path: str, fields: Sequence[str]):
+        present = [f for f in fields if f in pq.read_schema(path).names]
+        table = pq.read_table(path, columns=present)
+        self._columns = {f: table.column(f).to_pylist() for f in present}
+        self._len = table.num_rows
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> dict:
+        return {f: col[i] for f, col in self._columns.items() if col[i] is not None}
+
+
+class RowSource:
+    """Concatenation of per-file readers, indexed globally."""
+
+    def __init__(self, files: Sequence[tuple[str, Sequence[Any]]]):
+        self._names = [name for name, _ in files]
+        self._readers = [reader for _, reader in files]
+        self._starts = [0]
+        for reader in self._readers:
+            self._starts.append(self._starts[-1] + len(reader))
+        if self._starts[-1] == 0:
+            raise ValueError(f"data files {self._names} hold no rows")
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, index: int) -> Row:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        f = bisect.bisect_right(self._starts, index) - 1
+        local = index - self._starts[f]
+        return Row(index, self._names[f], local, self._readers[f][local])
+
+
+def open_files(paths: Sequence[str | Path], fields: Sequence[str]) -> RowSource:
+    """Opens data files by extension; `fields` are the columns Parquet needs to read."""
+    if not paths:
+        raise ValueError("data files: the list is empty")
+    files = []
+    for path in map(str, paths):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"data file {path} does not exist")
+        suffix = Path(path).suffix.lower()
+        if suffix in (".jsonl", ".json"):
+            reader = _JsonlReader(path)
+        elif suffix == ".parquet":
+            reader = _ParquetReader(path, fields)
+        elif suffix in (".array_record", ".arrayrecord"):
+            reader = grain.sources.ArrayRecordDataSource([path])
+        else:
+            raise ValueError(
+                f"data file {path}: unknown format {suffix!r} "
+                "(expected .jsonl, .parquet or .array_record)"
+            )
+        files.append((path, reader))
+    return RowSource(files)
+
+
+def memory_rows(rows: Sequence[dict], name: str = "<memory>") -> RowSource:
+    """Rows held in memory (the built-in task), read through the same pipeline as files."""
+    return RowSource([(name, list(rows))])

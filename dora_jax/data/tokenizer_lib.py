@@ -1,0 +1,102 @@
+"""One tokenizer interface for Hugging Face checkpoints and the built-in char-level task.
+
+Everything downstream (prompt pipeline, engine stop tokens, reward decoding) needs the same five
+things: `encode`, `decode`, `eos_id`, `pad_id`, `vocab_size`. Both kinds of tokenizer are real
+`tokenizers.Tokenizer` objects (the char vocabulary is a WordLevel model over single characters),
+so there is a single implementation and the char tokenizer can be saved as a `tokenizer.json`
+next to a checkpoint and reloaded by the same loader as a Hugging Face one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import tokenizers
+from tokenizers import Regex, decoders, models, pre_tokenizers
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the ids of its end-of-sequence and padding tokens.
+
+    `encode` never adds special tokens: prompts are rendered by a template that already writes
+    any BOS / role markers, so adding them again here would duplicate them (transformers'
+    `apply_chat_template(tokenize=True)` makes the same choice). `decode` drops special tokens,
+    which is what a reward function wants to see.
+    """
+
+    def __init__(self, tok: tokenizers.Tokenizer, eos_token: str, pad_token: str | None = None):
+        self.tok = tok
+        self.eos_token = eos_token
+        self.pad_token = pad_token or eos_token
+        self.eos_id = self._id(self.eos_token, "eos_token")
+        self.pad_id = self._id(self.pad_token, "pad_token")
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+
+    def _id(self, token: str, field: str) -> int:
+        token_id = self.tok.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"{field}={token!r} is not in the tokenizer's vocabulary")
+        return token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def save(self, directory: str | Path) -> None:
+        """Writes `tokenizer.json` and a minimal `tokenizer_config.json` that `load` reads back."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.tok.save(str(directory / "tokenizer.json"))
+        config = {"eos_token": self.eos_token, "pad_token": self.pad_token}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def _token_str(value: object, field: str) -> str | None:
+    """tokenizer_config.json stores special tokens as strings or serialised AddedToken dicts."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"tokenizer_config.json: {field} must be a string or {{'content': ...}}")
+
+
+def load_tokenizer(directory: str | Path) -> Tokenizer:
+    """Loads `tokenizer.json` and the special tokens of `tokenizer_config.json` from a checkpoint.
+
+    A checkpoint without a pad token pads with EOS (padding is masked out everywhere, so any
+    in-vocabulary id works).
+    """
+    directory = Path(directory)
+    tok_file = directory / "tokenizer.json"
+    if not tok_file.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {directory}")
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    eos = _token_str(config.get("eos_token"), "eos_token")
+    if eos is None:
+        raise ValueError(f"{config_file}: eos_token is missing; the engine needs a stop token")
+    pad = _token_str(config.get("pad_token"), "pad_token")
+    return Tokenizer(tokenizers.Tokenizer.from_file(str(tok_file)), eos, pad)
+
+
+def char_tokenizer(alphabet: str) -> Tokenizer:
+    """One token per character of `alphabet`, plus `<pad>`, `<eos>` and `<unk>`.
+
+    Ids: pad 0, eos 1, unk 2, then the alphabet in order. Characters outside the alphabet encode
+    to `<unk>` (and so do not round-trip); text over the alphabet round-trips exactly.
+    """
+    if len(set(alphabet)) != len(alphabet):
+        raise ValueError(f"alphabet has repeated characters: {alphabet!r}")
+    specials = [PAD, EOS, UNK]
+    vocab = {t: i for i, t in enumerate(specials + list(alphabet))}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    return Tokenizer(tok, EOS, PAD)

@@ -1,0 +1,102 @@
+"""Reward functions, looked up by the name a config gives.
+
+A reward function is `fn(completion: str, answer: str, **options) -> float`: the decoded
+response (special tokens removed) and the dataset's reference answer. Options come from the
+config (e.g. the `format` reward's pattern) and are bound once by `get_reward`, which rejects an
+option the function does not take with a message naming it.
+
+Built-ins: `exact_match`, `math` (math-verify), `format`. Anything else is a user function given
+by dotted path, `"package.module:function"` or `"package.module.function"`, or registered with
+`@register_reward("name")` in a module the user imports.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import re
+from collections.abc import Callable
+
+import math_verify
+
+RewardFn = Callable[..., float]
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator adding a reward under `name`; registering a taken name is an error."""
+
+    def add(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY:
+            raise ValueError(f"reward {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+
+    return add
+
+
+def registered_rewards() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _from_path(path: str) -> RewardFn:
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(
+            f"reward {path!r} is neither a registered reward {registered_rewards()} "
+            "nor a dotted path 'package.module:function'"
+        )
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"reward {path!r}: cannot import {attr!r} from {module_name!r}: {e}"
+        ) from e
+    if not callable(fn):
+        raise ValueError(f"reward {path!r} is not callable")
+    return fn
+
+
+def get_reward(name: str, **options) -> RewardFn:
+    """The reward `name` (registered or dotted path) with `options` bound as keyword arguments."""
+    fn = _REGISTRY[name] if name in _REGISTRY else _from_path(name)
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for option in options:
+        if not takes_any and option not in params:
+            raise ValueError(f"reward {name!r} has no option {option!r}")
+    return functools.partial(fn, **options) if options else fn
+
+
+@register_reward("exact_match")
+def exact_match(completion: str, answer: str) -> float:
+    """1 when the completion equals the answer up to surrounding whitespace."""
+    return float(completion.strip() == answer.strip())
+
+
+@register_reward("format")
+def format_reward(completion: str, answer: str, pattern: str = r"\\boxed\{.+?\}") -> float:
+    """1 when the completion contains the answer pattern (regex), e.g. `<answer>.+?</answer>`.
+
+    It checks form only, not correctness: a shaping term that teaches where to put the answer.
+    """
+    return float(re.search(pattern, completion, flags=re.DOTALL) is not None)
+
+
+@register_reward("math")
+def math_reward(completion: str, answer: str) -> float:
+    """1 when math-verify finds the completion's final answer equal to the reference.
+
+    Both of math-verify's own timeouts are disabled: they use `signal.alarm`, which only works
+    in the main thread, and rewards run in worker threads under `RewardRunner`'s timeout.
+    """
+    gold = math_verify.parse(answer, parsing_timeout=None) or math_verify.parse(
+        f"${answer}$", parsing_timeout=None
+    )
+    pred = math_verify.parse(completion, parsing_timeout=None)
+    if not gold or not pred:
+        return 0.0
+    return float(math_verify.verify(gold, pred, timeout_seconds=None))
