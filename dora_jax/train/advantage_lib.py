@@ -42,19 +42,28 @@ def compute(rewards: jax.Array, config: Any) -> jax.Array:
     return ADVANTAGES[config.advantage](rewards, config)
 
 
+def _centered(rewards: jax.Array) -> jax.Array:
+    """r - group mean, computed after shifting by the group's first reward: a constant group is
+    then exactly zero, so float rounding in the mean cannot be blown up by GRPO's
+    1 / (std + eps) into a large spurious advantage."""
+    shifted = rewards - rewards[:, :1]
+    return shifted - shifted.mean(axis=1, keepdims=True)
+
+
 @register_advantage("grpo")
 def grpo(rewards: jax.Array, config: Any) -> jax.Array:
     """GRPO: (r - group mean) / (group std + eps), with the unbiased std (as verl and TRL)."""
-    mean = rewards.mean(axis=1, keepdims=True)
-    std = rewards.std(axis=1, keepdims=True, ddof=1) if rewards.shape[1] > 1 else 0.0
-    return (rewards - mean) / (std + config.advantage_eps)
+    centered = _centered(rewards)
+    g = rewards.shape[1]
+    std = jnp.sqrt((centered**2).sum(axis=1, keepdims=True) / max(g - 1, 1))
+    return centered / (std + config.advantage_eps)
 
 
 @register_advantage("dr_grpo")
 def dr_grpo(rewards: jax.Array, config: Any) -> jax.Array:
     """Dr. GRPO: r - group mean; no std division, which biases towards easy/hard prompts."""
     del config
-    return rewards - rewards.mean(axis=1, keepdims=True)
+    return _centered(rewards)
 
 
 @register_advantage("rloo")
@@ -62,5 +71,4 @@ def rloo(rewards: jax.Array, config: Any) -> jax.Array:
     """RLOO: r_i minus the mean of the other G - 1 rewards of its group."""
     del config
     g = rewards.shape[1]
-    others = (rewards.sum(axis=1, keepdims=True) - rewards) / (g - 1)
-    return rewards - others
+    return _centered(rewards) * (g / (g - 1))  # r_i - (sum - r_i) / (g - 1), rearranged

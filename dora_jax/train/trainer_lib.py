@@ -14,6 +14,7 @@ next step needs them.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -80,19 +81,6 @@ class Trainer:
         if config.tis_cap is not None:
             self._history[0] = self._copy(self._params)
 
-        self._logprob_fn = jax.jit(_logprobs, static_argnums=0)
-        self._zeros = jax.jit(
-            lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self._shardings
-        )
-        self._grad_fn = jax.jit(
-            self._accumulate, donate_argnums=1, out_shardings=(self._shardings, None)
-        )
-        self._apply_fn = jax.jit(
-            self._apply,
-            donate_argnums=(0, 1, 2),
-            out_shardings=(self._shardings, self._opt_shardings, None, None),
-        )
-
     # -- public API -------------------------------------------------------------------------
 
     @property
@@ -133,11 +121,11 @@ class Trainer:
         (mb,) = batch_lib.micro_batches(
             trajectories, np.arange(n), n, self.config.length_buckets, mask_truncated=False
         )
-        logp = np.asarray(self._logprob_fn(self._fn, self._params, *self._place(mb)[:3]))
+        logp = np.asarray(_logprobs(self._fn, self._params, *self._place(mb)[:3]))
         out = [np.empty(0, np.float32)] * n
         for i, r in enumerate(mb.rows):
             p, t = len(trajectories[r].prompt_tokens), len(trajectories[r].response_tokens)
-            out[r] = logp[i, p - 1 : p - 1 + t]
+            out[r] = logp[i, p - 1 : p - 1 + t].copy()
         return out
 
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -165,20 +153,20 @@ class Trainer:
             rows = np.arange(m * cfg.mini_batch_size, (m + 1) * cfg.mini_batch_size)
             weights = np.zeros(len(samples), np.float32)
             weights[rows] = loss_lib.sample_weights(lengths[rows], cfg.aggregation, cfg.t_max)
-            acc = self._zeros(self._params)
+            acc = jax.tree.map(jnp.zeros_like, self._params)  # keeps each leaf's sharding
             loss = jnp.float32(0.0)
             for mb in batch_lib.micro_batches(
                 samples, rows, cfg.micro_batch, cfg.length_buckets, cfg.mask_truncated
             ):
                 padded += mb.tokens.size
                 inputs = self._inputs(mb, samples, adv, weights)
-                acc, micro_sums = self._grad_fn(self._params, acc, inputs)
+                acc, micro_sums = _accumulate(self._fn, cfg, self._params, acc, inputs)
                 loss = loss + micro_sums.pop("loss")
                 ratio_max.append(micro_sums.pop("ratio_max"))
                 for k, v in micro_sums.items():
                     sums[k] = sums[k] + v
-            self._params, self._opt_state, grad_norm, ok = self._apply_fn(
-                self._params, self._opt_state, acc, loss
+            self._params, self._opt_state, grad_norm, ok = _apply(
+                cfg, self._params, self._opt_state, acc, loss
             )
             losses.append(loss)
             grad_norms.append(grad_norm)
@@ -273,57 +261,67 @@ class Trainer:
             "train_behaviour_logp": None,
         }
         if self._ref is not None:
-            inputs["ref_logp"] = self._logprob_fn(
-                self._ref[0], self._ref[1], tokens, positions, targets
-            )
+            inputs["ref_logp"] = _logprobs(self._ref[0], self._ref[1], tokens, positions, targets)
         if self.config.tis_cap is not None:
             versions = np.asarray([samples[r].version for r in mb.rows])
             train_logp = jnp.zeros(mask.shape, jnp.float32)
             for v in np.unique(versions):
                 if int(v) not in self._history:
                     raise ValueError(f"no params kept for version {v} (TIS keeps max_staleness)")
-                logp_v = self._logprob_fn(
-                    self._fn, self._history[int(v)], tokens, positions, targets
-                )
+                logp_v = _logprobs(self._fn, self._history[int(v)], tokens, positions, targets)
                 train_logp = jnp.where(jnp.asarray(versions == v)[:, None], logp_v, train_logp)
             inputs["train_behaviour_logp"] = train_logp
         return inputs
 
-    def _accumulate(self, params: Any, acc: Any, inputs: dict[str, Any]) -> tuple[Any, dict]:
-        def loss_fn(params):
-            logits = self._fn.forward(params, inputs["tokens"], inputs["positions"]).logits
-            logp, entropy = loss_lib.token_logprobs(logits, inputs["targets"])
-            loss, sums = loss_lib.policy_loss(
-                logp,
-                inputs["behaviour_logp"],
-                inputs["advantages"],
-                inputs["mask"],
-                inputs["weights"],
-                self.config,
-                train_behaviour_logp=inputs["train_behaviour_logp"],
-                ref_logp=inputs["ref_logp"],
-            )
-            sums["entropy_sum"] = jnp.where(inputs["mask"] > 0, entropy, 0.0).sum()
-            return loss, sums
 
-        (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        sums["loss"] = loss
-        return jax.tree.map(jnp.add, acc, grads), sums
+# The jitted functions are module-level with the model's graph and the (frozen, hashable) config
+# as static arguments, so every Trainer with the same model and config shares one compilation.
 
-    def _apply(self, params: Any, opt_state: Any, grads: Any, loss: jax.Array):
-        grad_norm = optax.global_norm(grads)
-        ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
-        updates, new_opt_state = self._tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jnp.where(ok, new, old)
-        return (
-            jax.tree.map(keep, new_params, params),
-            jax.tree.map(keep, new_opt_state, opt_state),
-            grad_norm,
-            ok,
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def _accumulate(
+    fn: Functional, config: TrainConfig, params: Any, acc: Any, inputs: dict[str, Any]
+) -> tuple[Any, dict[str, jax.Array]]:
+    """acc + the gradient of one micro-batch's (pre-weighted) loss, and its metric sums."""
+
+    def loss_fn(params):
+        logits = fn.forward(params, inputs["tokens"], inputs["positions"]).logits
+        logp, entropy = loss_lib.token_logprobs(logits, inputs["targets"])
+        loss, sums = loss_lib.policy_loss(
+            logp,
+            inputs["behaviour_logp"],
+            inputs["advantages"],
+            inputs["mask"],
+            inputs["weights"],
+            config,
+            train_behaviour_logp=inputs["train_behaviour_logp"],
+            ref_logp=inputs["ref_logp"],
         )
+        sums["entropy_sum"] = jnp.where(inputs["mask"] > 0, entropy, 0.0).sum()
+        return loss, sums
+
+    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    sums["loss"] = loss
+    return jax.tree.map(jnp.add, acc, grads), sums
 
 
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+def _apply(config: TrainConfig, params: Any, opt_state: Any, grads: Any, loss: jax.Array):
+    """One optimizer step, or none (bit-identical state) if the loss or gradient is not finite."""
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+    updates, new_opt_state = optimizer_lib.make(config).update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jnp.where(ok, new, old)
+    return (
+        jax.tree.map(keep, new_params, params),
+        jax.tree.map(keep, new_opt_state, opt_state),
+        grad_norm,
+        ok,
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0)
 def _logprobs(fn: Functional, params: Any, tokens, positions, targets) -> jax.Array:
     logits = fn.forward(params, tokens, positions).logits
     return loss_lib.token_logprobs(logits, targets)[0]

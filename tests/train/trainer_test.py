@@ -1,0 +1,221 @@
+"""Trainer behaviour on one device: ratios, versions, accumulation, skips, publish, restore."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from train_fixtures import random_batch, tiny_model
+
+from dora_jax.models import Functional, sharding_lib
+from dora_jax.train import TrainConfig, Trainer
+
+MESH = sharding_lib.make_mesh(jax.devices()[:1], 1, 1)
+BASE = TrainConfig(tbs=8, group_size=4, learning_rate=1e-3, length_buckets=(8, 16))
+
+
+def _with_behaviour(trainer, batch):
+    for t, lp in zip(batch, trainer.logprobs(batch), strict=True):
+        t.behaviour_logprobs = lp
+    return batch
+
+
+def _host(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def test_ratio_is_one_when_behaviour_is_the_current_policy():
+    config = dataclasses.replace(BASE, micro_batch_size=2, tis_cap=2.0, max_staleness=1)
+    trainer = Trainer(tiny_model(), config, MESH)
+    batch = _with_behaviour(trainer, random_batch(np.random.RandomState(0), 2, 4))
+    m = trainer.step(batch)
+    assert abs(m["ratio_mean"] - 1) < 1e-6 and abs(m["ratio_max"] - 1) < 1e-6
+    assert m["clip_fraction/clip_low"] == 0 and m["clip_fraction/clip_high"] == 0
+    assert m["tis_fraction"] == 0
+    assert m["tokens"] == sum(len(t.response_tokens) for t in batch)
+    assert m["staleness/0"] == 8 and m["skipped_this_step"] == 0
+
+
+def test_each_sample_is_weighed_against_its_own_behaviour_version():
+    trainer = Trainer(tiny_model(), BASE, MESH)
+    rng = np.random.RandomState(1)
+    batch = random_batch(rng, 2, 4, version=[0, 1] * 4)
+    v0_logp = trainer.logprobs(batch)
+    trainer.step(_with_behaviour(trainer, random_batch(rng, 2, 4)))
+    assert trainer.publish().version == 1
+    v1_logp = trainer.logprobs(batch)
+    for t, a, b in zip(batch, v0_logp, v1_logp, strict=True):
+        t.behaviour_logprobs = a if t.version == 0 else b
+    ratios = np.concatenate(
+        [np.exp(now - t.behaviour_logprobs) for t, now in zip(batch, v1_logp, strict=True)]
+    )
+    assert not np.allclose(ratios, 1)  # the old version's samples really are off-policy
+    m = trainer.step(batch)
+    np.testing.assert_allclose(m["ratio_mean"], ratios.mean(), rtol=1e-5)
+    np.testing.assert_allclose(m["ratio_max"], ratios.max(), rtol=1e-5)
+    assert (m["staleness/0"], m["staleness/1"], m["staleness_max"]) == (4, 4, 1)
+
+
+def _reference_grads(model, batch, config):
+    """The PPO-clip token-mean loss written directly: one unpadded forward per sample."""
+    fn, params = Functional.of(model)
+    rewards = np.array([t.reward for t in batch]).reshape(-1, config.group_size)
+    adv = (rewards - rewards.mean(1, keepdims=True)) / (
+        rewards.std(1, ddof=1, keepdims=True) + 1e-6
+    )
+    adv = adv.reshape(-1)
+    total = sum(len(t.response_tokens) for t in batch)
+
+    def loss(params):
+        out = 0.0
+        for t, a in zip(batch, adv, strict=True):
+            seq = jnp.concatenate([t.prompt_tokens, t.response_tokens])[None]
+            logp = jax.nn.log_softmax(fn.logits(params, seq)[0, :-1])
+            p = len(t.prompt_tokens)
+            lp = logp[p - 1 + jnp.arange(len(t.response_tokens)), t.response_tokens]
+            r = jnp.exp(lp - t.behaviour_logprobs)
+            obj = jnp.minimum(r * a, jnp.clip(r, 1 - config.eps_low, 1 + config.eps_high) * a)
+            out = out - obj.sum()
+        return out / total
+
+    return jax.jit(jax.grad(loss))(params)
+
+
+def test_update_equals_reference_gradient_with_and_without_accumulation():
+    # AdamW's first step is -lr * g / (|g| + eps); with eps >> |g| it is a linear function of
+    # the gradient, so the parameter change exposes the gradient itself.
+    config = dataclasses.replace(BASE, learning_rate=1e3, adam_eps=1e3, max_grad_norm=None)
+    rng = np.random.RandomState(2)
+    batch = random_batch(rng, 2, 4, max_response=12)  # lengths span both buckets
+    logp = Trainer(tiny_model(), config, MESH).logprobs(batch)
+    for t, lp in zip(batch, logp, strict=True):  # behaviour off the policy: some tokens clip
+        t.behaviour_logprobs = (lp + rng.uniform(-0.3, 0.3, len(lp))).astype(np.float32)
+    grads = _host(_reference_grads(tiny_model(), batch, config))
+    for micro in (None, 2, 1):
+        trainer = Trainer(tiny_model(), dataclasses.replace(config, micro_batch_size=micro), MESH)
+        before = _host(trainer.params)
+        m = trainer.step(batch)
+        assert m["clip_fraction/clip_low"] + m["clip_fraction/clip_high"] > 0
+        for b, a, g in zip(before, _host(trainer.params), grads, strict=True):
+            want = -config.learning_rate * g / (np.abs(g) + config.adam_eps)
+            np.testing.assert_allclose(a - b, want, rtol=2e-3, atol=2e-6, err_msg=str(micro))
+
+
+def test_non_finite_loss_skips_the_update_bit_for_bit():
+    config = dataclasses.replace(BASE, mini_batches=2)
+    trainer = Trainer(tiny_model(), config, MESH)
+    batch = _with_behaviour(trainer, random_batch(np.random.RandomState(3), 2, 4))
+    batch[0].behaviour_logprobs[0] = np.nan  # first mini-batch only
+    m = trainer.step(batch)
+    assert m["skipped_this_step"] == 1 and m["skipped_updates"] == 1
+    assert trainer.state["optimizer_steps"] == 1  # the second mini-step still applied
+    clean = _with_behaviour(trainer, random_batch(np.random.RandomState(4), 2, 4))
+
+    skip_all = Trainer(tiny_model(), BASE, MESH)
+    bad = _with_behaviour(skip_all, random_batch(np.random.RandomState(3), 2, 4))
+    bad[5].behaviour_logprobs[-1] = np.nan
+    params, opt = _host(skip_all.params), _host(skip_all.state["opt_state"])
+    assert skip_all.step(bad)["skipped_updates"] == 1
+    after = _host(skip_all.params) + _host(skip_all.state["opt_state"])
+    for a, b in zip(params + opt, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+    skip_all.step(clean)
+    assert skip_all.state["skipped_updates"] == 1 and skip_all.state["optimizer_steps"] == 1
+    now = _host(skip_all.params)
+    changed = [not np.array_equal(a, b) for a, b in zip(params, now, strict=True)]
+    assert any(changed)
+
+
+def test_publish_places_a_copy_on_the_target_mesh():
+    trainer = Trainer(tiny_model(), BASE, MESH)
+    target_mesh = sharding_lib.make_mesh(jax.devices()[2:4], 1, 2)
+    target = sharding_lib.param_shardings(trainer.params, target_mesh)
+    pub = trainer.publish(target)
+    assert pub.version == trainer.version == 1
+    leaves = jax.tree.leaves(pub.params)
+    assert all(x.sharding.mesh.devices.tolist() == target_mesh.devices.tolist() for x in leaves)
+    assert pub.metrics["publish_bytes"] == sum(x.size * 4 for x in leaves)
+    published = _host(pub.params)
+    for a, b in zip(published, _host(trainer.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    trainer.step(_with_behaviour(trainer, random_batch(np.random.RandomState(5), 2, 4)))
+    # The published copy survives the next step's buffer donation, unchanged.
+    for a, b in zip(published, _host(pub.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_restore_continues_identically():
+    trainer = Trainer(tiny_model(0), BASE, MESH)
+    rng = np.random.RandomState(6)
+    trainer.step(_with_behaviour(trainer, random_batch(rng, 2, 4)))
+    trainer.publish()
+    saved = jax.device_get(trainer.state)
+    other = Trainer(tiny_model(9), BASE, MESH)
+    other.restore(saved)
+    assert other.version == 1
+    batch = _with_behaviour(trainer, random_batch(rng, 2, 4))
+    trainer.step(batch)
+    other.step(batch)
+    for a, b in zip(_host(trainer.params), _host(other.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_kl_to_reference():
+    config = dataclasses.replace(BASE, kl_coef=0.1, mini_batches=2)
+    with pytest.raises(ValueError, match="kl_coef"):
+        Trainer(tiny_model(), config, MESH)
+    trainer = Trainer(tiny_model(), config, MESH, reference_model=tiny_model())
+    batch = _with_behaviour(trainer, random_batch(np.random.RandomState(7), 2, 4))
+    first = trainer.step(batch)
+    assert 0 < first["kl"] < 1e-3  # zero on mini-step 1, small after one update
+    trainer.publish()
+    assert trainer.step(batch)["kl"] > first["kl"]
+
+
+def test_truncated_samples_are_masked_out():
+    config = dataclasses.replace(BASE, mask_truncated=True)
+    results = []
+    for seed in (0, 1):
+        trainer = Trainer(tiny_model(), config, MESH)
+        batch = _with_behaviour(trainer, random_batch(np.random.RandomState(8), 2, 4))
+        batch[2].truncated = batch[6].truncated = True
+        for t in (batch[2], batch[6]):  # content of masked samples must not matter
+            t.response_tokens = np.random.RandomState(seed).randint(0, 16, len(t.response_tokens))
+            t.behaviour_logprobs = np.full(len(t.response_tokens), -9.0 * seed, np.float32)
+        m = trainer.step(batch)
+        assert m["masked_truncated"] == 2
+        results.append(_host(trainer.params))
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_truncated_importance_sampling_uses_the_behaviour_versions_params():
+    config = dataclasses.replace(BASE, tis_cap=2.0, max_staleness=1)
+    trainer = Trainer(tiny_model(), config, MESH)
+    rng = np.random.RandomState(10)
+    stale = random_batch(rng, 2, 4, version=0)
+    v0 = trainer.logprobs(stale)
+    trainer.step(_with_behaviour(trainer, random_batch(rng, 2, 4)))
+    trainer.publish()
+    for t, lp in zip(stale, v0, strict=True):
+        t.behaviour_logprobs = lp - 1.0  # inference engine 1 nat below training: weight e > 2
+    assert trainer.step(stale)["tis_fraction"] == 1.0
+    trainer.publish()
+    with pytest.raises(ValueError, match="max_staleness=1"):
+        trainer.step(stale)  # staleness 2 now
+
+
+def test_bad_batches_are_refused_with_a_reason():
+    trainer = Trainer(tiny_model(), BASE, MESH)
+    rng = np.random.RandomState(11)
+    with pytest.raises(ValueError, match="exactly tbs=8"):
+        trainer.step(random_batch(rng, 1, 4))
+    batch = random_batch(rng, 2, 4)
+    batch[3].sample_index = 0
+    with pytest.raises(ValueError, match="group is not complete"):
+        trainer.step(batch)
+    with pytest.raises(ValueError, match="trainer version 0"):
+        trainer.step(random_batch(rng, 2, 4, version=1))
