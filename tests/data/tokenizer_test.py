@@ -1,0 +1,71 @@
+"""Tokenizers: char round-trip, save/load, a local HF checkpoint checked against transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+from data_fixtures import CORPUS, write_hf_tokenizer_dir
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dora_jax.data import tokenizer_lib
+
+ALPHABET = "abcxyz0123456789 \n+=>"
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(alphabet=ALPHABET, max_size=40))
+def test_char_tokenizer_round_trips_one_token_per_character(text):
+    tok = tokenizer_lib.char_tokenizer(ALPHABET)
+    ids = tok.encode(text)
+    assert ids == [3 + ALPHABET.index(c) for c in text]  # pad, eos, unk come first
+    assert tok.decode(ids) == text
+
+
+def test_char_tokenizer_special_ids_and_unknown_characters():
+    tok = tokenizer_lib.char_tokenizer("ab")
+    assert (tok.pad_id, tok.eos_id, tok.vocab_size) == (0, 1, 5)
+    assert tok.encode("a?b") == [3, 2, 4]
+    assert tok.decode([3, tok.eos_id, 4, tok.pad_id]) == "ab"  # specials are dropped
+    with pytest.raises(ValueError, match="repeated"):
+        tokenizer_lib.char_tokenizer("aba")
+
+
+def test_saved_char_tokenizer_loads_back_identically(tmp_path):
+    tok = tokenizer_lib.char_tokenizer(ALPHABET)
+    tok.save(tmp_path)
+    loaded = tokenizer_lib.load_tokenizer(tmp_path)
+    text = "xyz 12+3=>a\nb"
+    assert loaded.encode(text) == tok.encode(text)
+    assert (loaded.eos_id, loaded.pad_id, loaded.vocab_size) == (1, 0, tok.vocab_size)
+
+
+def test_hf_directory_matches_transformers(tmp_path):
+    eos = {"__type": "AddedToken", "content": "<|im_end|>", "special": True}
+    config = {"eos_token": eos, "pad_token": "<|endoftext|>"}
+    directory = write_hf_tokenizer_dir(tmp_path, config)
+    ours = tokenizer_lib.load_tokenizer(directory)
+    ref = transformers.AutoTokenizer.from_pretrained(str(directory))
+    for text in [*CORPUS[:3], "unseen wörds ünïcode 🙂", "<|im_start|>user\nhi<|im_end|>"]:
+        ids = ref.encode(text, add_special_tokens=False)
+        assert ours.encode(text) == ids
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert ours.eos_id == ref.eos_token_id
+    assert ours.pad_id == ref.pad_token_id
+    assert ours.vocab_size == len(ref)
+
+
+def test_missing_pad_falls_back_to_eos_and_missing_eos_is_an_error(tmp_path):
+    directory = write_hf_tokenizer_dir(tmp_path / "a", {"eos_token": "<|endoftext|>"})
+    tok = tokenizer_lib.load_tokenizer(directory)
+    assert tok.pad_id == tok.eos_id
+    (directory / "tokenizer_config.json").write_text(json.dumps({}))
+    with pytest.raises(ValueError, match="eos_token"):
+        tokenizer_lib.load_tokenizer(directory)
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}))
+    with pytest.raises(ValueError, match="eos_token='<nope>'"):
+        tokenizer_lib.load_tokenizer(directory)
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        tokenizer_lib.load_tokenizer(tmp_path / "empty")

@@ -1,0 +1,83 @@
+"""Reward registry: built-ins against known truths, dotted paths, options, clear errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from dora_jax.rewards import get_reward, register_reward, registered_rewards
+
+
+def test_builtins_are_registered():
+    assert {"exact_match", "format", "math"} <= set(registered_rewards())
+
+
+def test_exact_match():
+    fn = get_reward("exact_match")
+    assert fn("  abc\n", "abc") == 1.0
+    assert fn("abcd", "abc") == 0.0
+    assert fn("ABC", "abc") == 0.0
+
+
+def test_format_reward_with_a_configured_pattern():
+    boxed = get_reward("format")
+    assert boxed("so \\boxed{42}.", "") == 1.0
+    assert boxed("so 42", "") == 0.0
+    assert boxed("\\boxed{}", "") == 0.0
+    tagged = get_reward("format", pattern=r"<answer>.+?</answer>")
+    assert tagged("think... <answer>\n7\n</answer>", "") == 1.0
+    assert tagged("<answer></answer>", "") == 0.0
+
+
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [
+        ("The answer is \\boxed{\\frac{1}{2}}.", "0.5", 1.0),
+        ("The answer is \\boxed{\\frac{1}{2}}.", "\\frac{2}{4}", 1.0),
+        ("so x = \\boxed{3}", "3", 1.0),
+        ("so x = \\boxed{4}", "3", 0.0),
+        ("$\\sqrt{2}$", "\\sqrt{2}", 1.0),
+        ("no number here", "3", 0.0),
+        ("\\boxed{1,2}", "3", 0.0),
+    ],
+)
+def test_math_reward(completion, answer, expected):
+    assert get_reward("math")(completion, answer) == expected
+
+
+def test_math_reward_works_off_the_main_thread():
+    """math-verify's own signal.alarm timeouts would raise in a worker thread."""
+    results = []
+    thread = threading.Thread(target=lambda: results.append(get_reward("math")("\\boxed{2}", "2")))
+    thread.start()
+    thread.join(30)
+    assert results == [1.0]
+
+
+def test_user_functions_by_dotted_path_with_options():
+    colon = get_reward("reward_helpers:length_reward")
+    dotted = get_reward("reward_helpers.length_reward", scale=2.0)
+    assert colon("abc", "") == 3.0
+    assert dotted("abc", "") == 6.0
+
+
+def test_register_reward_decorator():
+    @register_reward("test_registry_always_half")
+    def half(completion: str, answer: str) -> float:
+        return 0.5
+
+    assert get_reward("test_registry_always_half")("x", "y") == 0.5
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("test_registry_always_half")(half)
+
+
+def test_errors_name_the_reward_and_option():
+    with pytest.raises(ValueError, match="'nope'.*neither a registered reward"):
+        get_reward("nope")
+    with pytest.raises(ValueError, match="cannot import 'missing'"):
+        get_reward("reward_helpers:missing")
+    with pytest.raises(ValueError, match="cannot import"):
+        get_reward("no_such_module_xyz.fn")
+    with pytest.raises(ValueError, match="no option 'patern'"):
+        get_reward("format", patern="x")

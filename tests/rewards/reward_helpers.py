@@ -1,0 +1,5 @@
+"""A user reward module, imported by dotted path in the registry tests."""
+
+
+def length_reward(completion: str, answer: str, scale: float = 1.0) -> float:
+    return scale * len(completion)

@@ -1,0 +1,70 @@
+"""RewardRunner: failures and timeouts score 0, are counted and logged; the rest is scored."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dora_jax.rewards import RewardRunner, get_reward
+
+RELEASE = threading.Event()  # lets the hung calls finish once the test is over
+
+
+def flaky(completion: str, answer: str) -> float:
+    if completion == "raise":
+        raise RuntimeError("boom")
+    if completion == "hang":
+        RELEASE.wait(30)
+        return 1.0
+    if completion == "nan":
+        return math.nan
+    if completion == "text":
+        return "1"  # type: ignore[return-value]
+    return float(completion == answer)
+
+
+def test_failures_and_timeouts_score_zero_are_counted_and_logged(caplog):
+    items = [("ok-1", "a", "a"), ("raise-2", "raise", "a"), ("hang-3", "hang", "a"),
+             ("ok-4", "b", "a"), ("nan-5", "nan", "a"), ("text-6", "text", "a"),
+             ("hang-7", "hang", "a"), ("ok-8", "c", "c")]  # fmt: skip
+    runner = RewardRunner(flaky, timeout_s=0.3, max_workers=4)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        rewards = runner.score(items)
+    elapsed = time.monotonic() - start
+    RELEASE.set()
+    assert rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert runner.metrics() == {"reward/calls": 8, "reward/errors": 3, "reward/timeouts": 2}
+    # Two chunks of 4, each waiting at most one timeout: not one timeout per hung sample.
+    assert elapsed < 2 * 0.3 + 0.5
+    for sample_id in ["raise-2", "hang-3", "nan-5", "text-6", "hang-7"]:
+        assert any(sample_id in m for m in caplog.messages), sample_id
+    assert not any("ok-" in m for m in caplog.messages)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.text(alphabet="ab", max_size=3), st.text(alphabet="ab", max_size=3)),
+                max_size=12), st.integers(1, 5))  # fmt: skip
+def test_scores_keep_input_order_and_equal_direct_calls(pairs, workers):
+    runner = RewardRunner(get_reward("exact_match"), timeout_s=5.0, max_workers=workers)
+    items = [(i, c, a) for i, (c, a) in enumerate(pairs)]
+    assert runner.score(items) == [float(c.strip() == a.strip()) for c, a in pairs]
+    assert runner.counters.calls == len(pairs) and runner.counters.errors == 0
+
+
+def test_math_reward_through_the_runner():
+    runner = RewardRunner(get_reward("math"), timeout_s=20.0)
+    assert runner.score([(0, "\\boxed{6}", "6"), (1, "\\boxed{5}", "6")]) == [1.0, 0.0]
+
+
+def test_invalid_settings_name_the_field():
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardRunner(flaky, timeout_s=0)
+    with pytest.raises(ValueError, match="max_workers"):
+        RewardRunner(flaky, max_workers=0)
