@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 
+import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,6 +23,7 @@ from dora_jax.data import (
     open_files,
     prompt_dataset,
 )
+from dora_jax.train.checkpoint_lib import Checkpointer
 
 TOK = char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789 ?:")
 TEMPLATE = FormatTemplate("q: {prompt} ?")
@@ -185,3 +187,18 @@ def test_configuration_errors_name_the_field(tmp_path):
         open_files([tmp_path / "missing.jsonl"], ["prompt"])
     with pytest.raises(ValueError, match="no rows"):
         open_files([write_jsonl(tmp_path / "empty.jsonl", [])], ["prompt"])
+
+
+def test_iterator_state_survives_the_orbax_checkpointer(tmp_path):
+    ds = dataset(memory_rows([*ROWS, {"prompt": 1, "answer": "x"}]), num_epochs=2, seed=3)
+    full = list(ds)
+    it = iter(ds)
+    head = list(itertools.islice(it, 7))
+    params = {"w": jnp.zeros(2)}
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    ckpt.save(1, params=params, opt_state={"m": jnp.ones(2)}, data_iterator=it, meta={})
+    resumed = iter(ds)
+    ckpt.restore(1, params_like=params, opt_state_like={"m": jnp.ones(2)}, data_iterator=resumed)
+    ckpt.close()
+    assert resumed.skipped == it.skipped
+    assert as_tuples(head + list(resumed)) == as_tuples(full)
