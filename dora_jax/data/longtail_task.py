@@ -18,6 +18,9 @@ for an exact match, so the per-token error of a briefly trained model compounds 
 and demonstrations may carry per-character noise (`demonstrations(noise=...)`) that supervised
 learning copies into the policy's sampling distribution while an exact-match reward removes it.
 Held-out accuracy is meant at the sampling temperature RL optimises (pass@1 of samples).
+Measured (2 layers, hidden 64, AdamW 3e-3, batch 64, 2 CPU cores): clean demonstrations, 800
+steps -> held-out 99% greedy / 98% sampled (nothing left for RL); noise 0.1, 600 steps (~100 s)
+-> 71% greedy / 44% sampled (67% on walks <= 3, 6% on walks > 10), room for RL to gain.
 
 Train and held-out problems are disjoint: a fixed `split_seed` assigns every (s, d, k) triple to
 one split, whatever seed the rows are sampled with.
