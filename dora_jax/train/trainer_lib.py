@@ -68,6 +68,8 @@ class Trainer:
             transform_non_params=lambda _: replicated,
         )
         self._opt_state = jax.jit(self._tx.init, out_shardings=self._opt_shardings)(self._params)
+        self._flat_shardings = tuple(jax.tree.leaves(self._shardings))
+        self._flat_opt_shardings = tuple(jax.tree.leaves(self._opt_shardings))
         self._ref = None
         if reference_model is not None and config.kl_coef > 0:
             ref_fn, ref_params = Functional.of(reference_model)
@@ -160,13 +162,21 @@ class Trainer:
             ):
                 padded += mb.tokens.size
                 inputs = self._inputs(mb, samples, adv, weights)
-                acc, micro_sums = _accumulate(self._fn, cfg, self._params, acc, inputs)
+                acc, micro_sums = _accumulate(
+                    self._fn, cfg, self._flat_shardings, self._params, acc, inputs
+                )
                 loss = loss + micro_sums.pop("loss")
                 ratio_max.append(micro_sums.pop("ratio_max"))
                 for k, v in micro_sums.items():
                     sums[k] = sums[k] + v
             self._params, self._opt_state, grad_norm, ok = _apply(
-                cfg, self._params, self._opt_state, acc, loss
+                cfg,
+                self._flat_shardings,
+                self._flat_opt_shardings,
+                self._params,
+                self._opt_state,
+                acc,
+                loss,
             )
             losses.append(loss)
             grad_norms.append(grad_norm)
@@ -274,13 +284,26 @@ class Trainer:
         return inputs
 
 
-# The jitted functions are module-level with the model's graph and the (frozen, hashable) config
-# as static arguments, so every Trainer with the same model and config shares one compilation.
+# The jitted functions are module-level with the model's graph, the (frozen) config and the
+# shardings (a tuple of NamedShardings, in tree order) as static arguments, so every Trainer with
+# the same model, config and mesh shares one compilation. The outputs are pinned to those
+# shardings: left to propagation, a replicated norm weight can come back sharded.
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def _constrain(tree: Any, shardings: tuple[NamedSharding, ...]) -> Any:
+    return jax.lax.with_sharding_constraint(
+        tree, jax.tree.unflatten(jax.tree.structure(tree), shardings)
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
 def _accumulate(
-    fn: Functional, config: TrainConfig, params: Any, acc: Any, inputs: dict[str, Any]
+    fn: Functional,
+    config: TrainConfig,
+    shardings: tuple[NamedSharding, ...],
+    params: Any,
+    acc: Any,
+    inputs: dict[str, Any],
 ) -> tuple[Any, dict[str, jax.Array]]:
     """acc + the gradient of one micro-batch's (pre-weighted) loss, and its metric sums."""
 
@@ -302,11 +325,19 @@ def _accumulate(
 
     (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     sums["loss"] = loss
-    return jax.tree.map(jnp.add, acc, grads), sums
+    return _constrain(jax.tree.map(jnp.add, acc, grads), shardings), sums
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
-def _apply(config: TrainConfig, params: Any, opt_state: Any, grads: Any, loss: jax.Array):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
+def _apply(
+    config: TrainConfig,
+    shardings: tuple[NamedSharding, ...],
+    opt_shardings: tuple[NamedSharding, ...],
+    params: Any,
+    opt_state: Any,
+    grads: Any,
+    loss: jax.Array,
+):
     """One optimizer step, or none (bit-identical state) if the loss or gradient is not finite."""
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
@@ -314,8 +345,8 @@ def _apply(config: TrainConfig, params: Any, opt_state: Any, grads: Any, loss: j
     new_params = optax.apply_updates(params, updates)
     keep = lambda new, old: jnp.where(ok, new, old)
     return (
-        jax.tree.map(keep, new_params, params),
-        jax.tree.map(keep, new_opt_state, opt_state),
+        _constrain(jax.tree.map(keep, new_params, params), shardings),
+        _constrain(jax.tree.map(keep, new_opt_state, opt_state), opt_shardings),
         grad_norm,
         ok,
     )
