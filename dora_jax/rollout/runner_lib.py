@@ -105,9 +105,12 @@ class Rollout:
         return self.metrics
 
     def _turn(self) -> None:
+        progress = (self.totals["prefills"], self.selected)
         triggers: set[str] = set()
         if self._training is not None and self.tick >= self._publish_tick:
             self._publish()
+            if self.window.newest >= self.config.num_iterations:
+                return
             triggers.add("new_version")
         if self._training is None:
             self._try_train()
@@ -127,9 +130,13 @@ class Rollout:
             self._admit()
         if any(x.active() for x in self.healthy()):
             self._decode()
-        elif self._training is not None:
+            self.tick += 1
+            return
+        if self._training is None:  # everything finished at prefill: a batch may be ready
+            self._try_train()
+        if self._training is not None:
             self._publish_tick = self.tick  # nothing to decode: take the new version now
-        elif self.window.newest < self.config.num_iterations:
+        elif progress == (self.totals["prefills"], self.selected):
             raise RuntimeError(
                 f"rollout stalled at step {self.tick}: {self.selected} batches selected, "
                 f"live versions {self.window.live()}, outstanding {self.outstanding()}"
@@ -160,12 +167,15 @@ class Rollout:
             )
         self.queue.add_group(self.next_prompt, version)
         for i in range(self.config.group_size):
-            seed = int(
-                np.random.default_rng([self.config.seed, self.next_prompt, i]).integers(2**31)
-            )
+            seed = self.seed_of(spec.prompt_id, i)
             self.pending[version].append(Request(spec, i, seed, version))
         self.dispatched_per_version[version] += 1
         self.next_prompt += 1
+
+    def seed_of(self, prompt_id: int, sample_index: int) -> int:
+        """The sampling seed of a sample: a function of the run seed and its identity only."""
+        rng = np.random.default_rng([self.config.seed, prompt_id, sample_index])
+        return int(rng.integers(2**31))
 
     def _admit(self) -> None:
         for x in self.healthy():
@@ -184,6 +194,7 @@ class Rollout:
             self._finish(request)
         self.telemetry.action(x.name, "prefill", t0, self.trace.now_us(), version=x.version)
         self.telemetry.counters["prefills"] += 1
+        self.totals["prefills"] += 1
 
     def _decode(self) -> None:
         t0 = self.trace.now_us()

@@ -71,7 +71,7 @@ class EngineDouble:
         *,
         max_concurrent_decodes: int,
         vocab_size: int = 64,
-        max_prefill_length: int = 64,
+        max_prefill_length: int = 512,
         max_decode_length: int = 512,
         fail_after_steps: int | None = None,
     ):

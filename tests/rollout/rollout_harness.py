@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import jax
+from rollout_doubles import EngineDouble, TrainerDouble
 
 from dora_jax.models import sharding_lib
 from dora_jax.rollout import request_lib, runner_lib
 from dora_jax.rollout.config_lib import RolloutConfig
-from tests.rollout.doubles import EngineDouble, TrainerDouble
 
 
 def make_rollout(

@@ -1,0 +1,166 @@
+"""Property tests of the whole rollout loop on the engine/trainer doubles.
+
+References are independent of the runtime's books: the audit re-reads the ledger, the engine
+double's log-probs encode the version of the params that really sampled each token, and its
+tokens are a pure function of (seed, index), so a migrated request must match the reference
+sequence exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rollout_doubles import token_at, version_of
+from rollout_harness import make_rollout
+
+from dora_jax.rollout import audit_lib, ledger_lib
+
+MODES = ("sync", "one_step_off", "partial", "dora")
+
+
+@st.composite
+def setups(draw, modes=MODES):
+    g = draw(st.sampled_from([1, 2, 4]))
+    tbs = g * draw(st.integers(1, 3))
+    return dict(
+        mode=draw(st.sampled_from(modes)),
+        num_instances=draw(st.integers(1, 4)),
+        slots=draw(st.integers(1, 6)),
+        group_size=g,
+        train_batch_size=tbs,
+        rollout_batch_size=tbs + g * draw(st.integers(0, 3)),
+        staleness_bound=draw(st.integers(0, 3)),
+        num_iterations=draw(st.integers(2, 4)),
+        timer_steps=draw(st.integers(1, 12)),
+        publish_delay_steps=draw(st.integers(0, 6)),
+        median_length=draw(st.integers(2, 10)),
+        seed=draw(st.integers(0, 1000)),
+    )
+
+
+def _trained(trainer):
+    return [t for batch in trainer.batches for t in batch]
+
+
+PROPS = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@PROPS
+@given(setup=setups())
+def test_every_mode_terminates_and_keeps_the_rules(tmp_path_factory, setup):
+    workdir = str(tmp_path_factory.mktemp("run"))
+    rollout, trainer, _ = make_rollout(workdir, max_length=60, **setup)
+    metrics = rollout.run()
+    report = audit_lib.audit(workdir)
+    assert len(metrics) == setup["num_iterations"] == report.iterations
+    assert report.rules["C2"], report.format()
+    assert report.rules["C3"], report.format()
+    trained = _trained(trainer)
+    # C1, from the double's log-probs (the version of the params that really sampled a token).
+    sampled_by = [{version_of(lp) for lp in t.behaviour_logprobs} for t in trained]
+    for t, versions in zip(trained, sampled_by, strict=True):
+        assert versions == set(t.token_versions.tolist())
+    mixed = sum(len(v) > 1 for v in sampled_by)
+    assert report.c1_violations == mixed
+    if setup["mode"] != "partial":
+        assert report.rules["C1"] and mixed == 0
+        # No re-prefill anywhere: every response is exactly the reference token sequence.
+        for t in trained:
+            seed = rollout.seed_of(t.prompt_id, t.sample_index)
+            ref = [token_at(seed, i, 64) for i in range(len(t.response_tokens))]
+            assert t.response_tokens.tolist() == ref
+    # The audit agrees with the runtime's and the trainer's own counters.
+    assert report.trained == rollout.totals["trained"] == len(trained)
+    assert report.in_flight_at_end == len(rollout.unfinished)
+    assert report.queued_at_end == len(rollout.queue.queued())
+    assert report.dispatched == report.trained + report.in_flight_at_end + report.queued_at_end
+    hist = collections.Counter(
+        i - t.version for i, batch in enumerate(trainer.batches) for t in batch
+    )
+    assert report.staleness_histogram == dict(hist)
+    assert report.max_staleness <= rollout.queue.k
+    # |W| <= K + 1 at every iteration.
+    assert all(m["versions_live"] <= rollout.queue.k + 1 for m in metrics)
+    if setup["mode"] == "one_step_off":
+        assert {s for s, n in hist.items() if n} <= {0, 1}
+        assert all(i - t.version == 1 for i, b in enumerate(trainer.batches) if i for t in b)
+    if setup["mode"] == "sync":
+        assert set(hist) == {0}
+
+
+@settings(max_examples=15, deadline=None)
+@given(setup=setups())
+def test_same_seed_gives_the_same_ledger(tmp_path_factory, setup):
+    ledgers = []
+    for _ in range(2):
+        workdir = str(tmp_path_factory.mktemp("run"))
+        make_rollout(workdir, max_length=60, **setup)[0].run()
+        with open(f"{workdir}/{ledger_lib.LEDGER_FILE}") as f:
+            ledgers.append(f.read())
+    assert ledgers[0] == ledgers[1]
+
+
+@settings(max_examples=20, deadline=None)
+@given(setup=setups(), fail_at=st.integers(1, 30))
+def test_failed_instance_requests_are_regenerated(tmp_path_factory, setup, fail_at):
+    setup["num_instances"] = max(setup["num_instances"], 2)
+    workdir = str(tmp_path_factory.mktemp("run"))
+    rollout, trainer, engines = make_rollout(workdir, fail={0: fail_at}, max_length=60, **setup)
+    rollout.run()
+    report = audit_lib.audit(workdir)
+    assert report.rules["C2"] and report.rules["C3"], report.format()
+    if engines[0].steps > fail_at:  # the failure happened
+        assert rollout.totals["failed_instances"] == 1
+        assert not rollout.instances[0].healthy
+        events = ledger_lib.read(workdir)
+        counts = collections.Counter(
+            (e["prompt_id"], e["sample_index"]) for e in events if e["event"] == "dispatch"
+        )
+        assert sum(n - 1 for n in counts.values()) == rollout.totals["requeued"]
+
+
+def test_partial_breaks_c1_when_an_update_lands_mid_trajectory(tmp_path):
+    rollout, trainer, _ = make_rollout(
+        str(tmp_path),
+        mode="partial",
+        train_batch_size=4,
+        rollout_batch_size=12,
+        group_size=2,
+        staleness_bound=2,
+        num_iterations=4,
+        median_length=8,
+    )
+    rollout.run()
+    report = audit_lib.audit(str(tmp_path))
+    assert not report.rules["C1"] and report.c1_violations > 0
+    assert report.rules["C2"] and report.rules["C3"]
+    assert audit_lib.main(str(tmp_path)) == 1
+    mixed = [t for t in _trained(trainer) if len(set(t.token_versions.tolist())) > 1]
+    assert len(mixed) == report.c1_violations
+    for t in mixed:  # the re-prefilled tail really came from the newer params
+        assert [version_of(lp) for lp in t.behaviour_logprobs] == t.token_versions.tolist()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_length_bias_is_reported_against_numpy(tmp_path, mode):
+    rollout, trainer, _ = make_rollout(
+        str(tmp_path),
+        mode=mode,
+        train_batch_size=4,
+        rollout_batch_size=8,
+        group_size=2,
+        num_iterations=3,
+    )
+    rollout.run()
+    report = audit_lib.audit(str(tmp_path))
+    lengths = [len(t.response_tokens) for t in _trained(trainer)]
+    assert report.trained_lengths.mean == pytest.approx(np.mean(lengths))
+    assert report.trained_lengths.p99 == pytest.approx(np.percentile(lengths, 99))
+    finished = lengths + [len(t.response_tokens) for t in rollout.queue.queued()]
+    assert report.finished_lengths.p50 == pytest.approx(np.percentile(finished, 50))
