@@ -3,9 +3,11 @@
 The instance holds a real copy of its version's params on its own devices; loading another
 version replaces (and so frees) it. It drives the engine through JetStream's API
 (`prefill` / `insert` / `generate`) plus the slot moves DORA needs (`export_slot`,
-`import_slot`, `free_slot`). `dispatch_generate` only enqueues the decode step (JAX async
-dispatch), so the controller can start every instance's step before it reads any token back:
-that is where generation meshes overlap with each other and with the trainer.
+`import_slot`, `free_slot`); params are the engine's `PolicyParams` (state + version), placed
+with `engine.shard_params`, and each token's version is the engine's tag on its result.
+`dispatch_generate` only enqueues the decode step (JAX async dispatch), so the controller
+can start every instance's step before it reads any token back: that is where generation
+meshes overlap with each other and with the trainer.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from dora_jax.engine.engine_lib import FinishReason
+from dora_jax.engine.engine_lib import Request as EngineRequest
 from dora_jax.rollout.request_lib import Request
 
 
@@ -23,22 +27,22 @@ def tree_nbytes(tree: Any) -> int:
     return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)))
 
 
-def read_slot(result: Any, slot: int) -> tuple[int, float, bool]:
-    """(token, behaviour log-prob, request finished) of `slot` in a ResultTokens."""
+def read_slot(result: Any, slot: int) -> tuple[int, float, int]:
+    """(token, behaviour log-prob, finish reason) of `slot` in a host-side ResultTokens;
+    finish reason 0 (`FinishReason.NONE`) means the request goes on."""
     data = result.get_result_at_slot(slot)
     token = int(np.asarray(data.tokens).reshape(-1)[0])
-    logprob = float(np.asarray(data.logprobs).reshape(-1)[0])
-    done = bool(np.asarray(data.done).reshape(-1)[0])
-    return token, logprob, done
+    logprob = float(np.asarray(data.log_probs).reshape(-1)[0])
+    return token, logprob, int(np.asarray(data.finish_reason).reshape(-1)[0])
 
 
 class RolloutInstance:
     def __init__(self, index: int, engine: Any, param_shardings: Any):
         self.index = index
         self.engine = engine
-        self.param_shardings = param_shardings
+        self.param_shardings = param_shardings  # where the trainer publishes for this instance
         self.version: int | None = None
-        self.params: Any = None
+        self.params: Any = None  # the engine's PolicyParams of `version`, on this mesh
         self.slots: list[Request | None] = [None] * engine.max_concurrent_decodes
         self.decode_state = engine.init_decode_state()
         self.healthy = True
@@ -62,16 +66,16 @@ class RolloutInstance:
         """Positions held in the KV cache (prompt + generated) over all busy slots."""
         return sum(len(r.prompt.tokens) + len(r.tokens) for r in self.slots if r is not None)
 
-    def load(self, version: int, params: Any) -> tuple[float, int]:
-        """Hosts `version`: copies `params` (from the trainer or another instance) here.
-
-        Returns (seconds, bytes). The previous version's copy is dropped, which frees it.
+    def load(self, version: int, state: Any) -> tuple[float, int]:
+        """Hosts `version`: places its params `state` (the trainer's published copy, or
+        another instance's) on this mesh. Returns (seconds, bytes). Dropping the previous
+        version's copy frees it.
         """
         if self.active():
             raise RuntimeError(f"{self.name}: cannot switch versions with requests in its slots")
         start = time.perf_counter()
         self.params = None
-        self.params = jax.device_put(params, self.param_shardings, may_alias=False)
+        self.params = self.engine.shard_params(state, version=version)
         jax.block_until_ready(self.params)
         self.version = version
         return time.perf_counter() - start, tree_nbytes(self.params)
@@ -95,17 +99,23 @@ class RolloutInstance:
             params=self.params,
             padded_tokens=tokens,
             true_length=len(tokens),
-            seed=request.seed,
-            max_new_tokens=request.max_new_tokens - len(request.tokens),
-            ignore_eos=request.prompt.ignore_eos,
+            requests=EngineRequest(
+                prompt_tokens=tokens,
+                max_new_tokens=request.max_new_tokens - len(request.tokens),
+                ignore_eos=request.prompt.ignore_eos,
+                seed=request.seed,
+                id=request.key,
+            ),
         )
-        token, logprob, done = read_slot(result, 0)
+        result = result.convert_to_numpy()
+        token, logprob, finish = read_slot(result, 0)
         request.started = True
-        request.record(token, logprob, self.version)
-        if not done:
+        request.record(token, logprob, result.version)
+        request.truncated = finish == FinishReason.LENGTH
+        if finish == FinishReason.NONE:
             self.decode_state = self.engine.insert(prefix, self.decode_state, slot)
             self.slots[slot] = request
-        return done
+        return finish != FinishReason.NONE
 
     def dispatch_generate(self) -> None:
         """Enqueues one decode step for every slot (does not wait for it)."""
@@ -116,14 +126,15 @@ class RolloutInstance:
     def collect(self) -> list[Request]:
         """Reads the step's tokens back; returns the requests that finished (slots freed)."""
         result, self._pending_result = self._pending_result, None
+        result = result.convert_to_numpy()
         finished = []
         for slot in self.active():
             request = self.slots[slot]
-            token, logprob, done = read_slot(result, slot)
-            request.record(token, logprob, self.version)
-            if done:
-                request.truncated = len(request.tokens) >= request.max_new_tokens
-                self._release(slot)
+            token, logprob, finish = read_slot(result, slot)
+            request.record(token, logprob, result.version)
+            if finish != FinishReason.NONE:  # the engine already stopped the slot
+                request.truncated = finish == FinishReason.LENGTH
+                self.slots[slot] = None
                 finished.append(request)
         return finished
 

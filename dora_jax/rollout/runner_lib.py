@@ -258,7 +258,7 @@ class Rollout:
 
     def load(self, x: RolloutInstance, version: int, source: RolloutInstance | None) -> None:
         """Weight move: from `source` (an instance holding `version`) or the trainer's copy."""
-        params = source.params if source is not None else self.newest_params
+        params = source.params.state if source is not None else self.newest_params
         if source is None and version != self.window.newest:
             raise RuntimeError(f"v{version} is not held anywhere; cannot load it on {x.name}")
         t0 = self.trace.now_us()

@@ -1,14 +1,16 @@
 """Cheap test doubles for the engine and trainer that honour their contracts.
 
-`EngineDouble` has the generation engine's interface (JetStream's `prefill` / `insert` /
-`generate` plus `free_slot`, `export_slot`, `import_slot`): fixed slots, one token per slot per
-decode step, per-request forced length (`max_new_tokens` with `ignore_eos`), and slot state that
-can be exported from one engine and imported into another. Its tokens are a pure function of
-(seed, token index) and each log-prob encodes the version stored *in the params it was given*,
-so tests can recover which version sampled every token without trusting the runtime's books.
+`EngineDouble` has `dora_jax.engine.Engine`'s interface and semantics (JetStream's `prefill` /
+`insert` / `generate`, `shard_params` giving `PolicyParams`, `free_slot`, `export_slot`,
+`import_slot`, `ResultTokens` with per-slot finish reasons and behaviour log-probs): fixed
+slots, one token per busy slot per decode step, per-request forced length (`max_new_tokens`
+with `ignore_eos`), inserting into a busy slot is an error, a finished slot stops by itself.
+Its tokens are a pure function of (seed, token index) like the real sampler's PRNG keys, and
+each log-prob encodes the version stored *in the weights it was given*, so tests recover which
+version sampled every token without trusting anybody's bookkeeping.
 
-`TrainerDouble` counts versions and checks every batch's shape (exactly TBS samples in
-complete groups, staleness within K) like the real trainer's contract.
+`TrainerDouble` counts versions and checks each batch like the real trainer's contract
+(exactly TBS samples in complete groups, staleness within K).
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dora_jax.engine.engine_lib import FinishReason, PolicyParams, SlotData
 
 EOS = 0
+VOCAB = 64
 
 
-def token_at(seed: int, index: int, vocab: int) -> int:
+def token_at(seed: int, index: int, vocab: int = VOCAB) -> int:
     return int((seed * 2654435761 + index * 40503 + 12345) % (vocab - 1)) + 1
 
 
@@ -38,30 +44,30 @@ def version_of(logprob: float) -> int:
 
 
 @dataclasses.dataclass
-class SlotData:
-    tokens: np.ndarray
-    valid: np.ndarray
-    lengths: np.ndarray
-    logprobs: np.ndarray
-    done: np.ndarray
-
-
 class ResultTokens:
-    def __init__(self, tokens, logprobs, done, lengths):
-        self.tokens, self.logprobs = np.asarray(tokens), np.asarray(logprobs)
-        self.done, self.lengths = np.asarray(done), np.asarray(lengths)
+    tokens: np.ndarray
+    log_probs: np.ndarray
+    finish: np.ndarray
+    lengths: np.ndarray
+    slot_versions: np.ndarray
+    version: int
+
+    def convert_to_numpy(self) -> ResultTokens:
+        return self
 
     def get_result_at_slot(self, slot: int) -> SlotData:
+        row = slice(slot, slot + 1)
         return SlotData(
-            tokens=self.tokens[slot : slot + 1, None],
-            valid=np.ones((1, 1), bool),
-            lengths=self.lengths[slot : slot + 1],
-            logprobs=self.logprobs[slot : slot + 1, None],
-            done=self.done[slot : slot + 1],
+            tokens=self.tokens[row, None],
+            valid=np.ones((1, 1), np.int32),
+            lengths=self.lengths[row],
+            log_probs=self.log_probs[row, None],
+            finish_reason=self.finish[row],
+            version=self.slot_versions[row],
         )
 
 
-_FIELDS = ("active", "seed", "index", "remaining", "ignore_eos", "kv")
+_FIELDS = ("active", "seed", "index", "remaining", "ignore_eos", "version", "kv")
 
 
 class EngineDouble:
@@ -70,7 +76,6 @@ class EngineDouble:
         mesh: Any,
         *,
         max_concurrent_decodes: int,
-        vocab_size: int = 64,
         max_prefill_length: int = 512,
         max_decode_length: int = 512,
         fail_after_steps: int | None = None,
@@ -80,78 +85,85 @@ class EngineDouble:
         self.max_prefill_length = max_prefill_length
         self.max_decode_length = max_decode_length
         self.samples_per_slot = 1
-        self.vocab_size = vocab_size
         self.fail_after_steps = fail_after_steps
         self.steps = 0
         self.prefills = 0
 
+    def shard_params(self, state: Any, version: int) -> PolicyParams:
+        return PolicyParams(
+            jax.device_put(state, NamedSharding(self.mesh, PartitionSpec())), int(version)
+        )
+
     def init_decode_state(self) -> dict[str, np.ndarray]:
         s = self.max_concurrent_decodes
-        return {
-            "active": np.zeros(s, bool),
-            "seed": np.zeros(s, np.int64),
-            "index": np.zeros(s, np.int64),
-            "remaining": np.zeros(s, np.int64),
-            "ignore_eos": np.zeros(s, bool),
-            "kv": np.zeros((s, 16), np.float32),  # stands for the slot's KV cache
-        }
-
-    @staticmethod
-    def _version(params: Any) -> int:
-        return int(params["version"])
-
-    def _emit(self, version: int, seed: int, index: int, remaining: int, ignore_eos: bool):
-        token = token_at(seed, index, self.vocab_size)
-        done = remaining <= 1 or (not ignore_eos and token == EOS)
-        return token, logprob_of(version, seed, index), done
-
-    def prefill(
-        self,
-        *,
-        params: Any,
-        existing_prefix: Any = None,
-        padded_tokens: np.ndarray,
-        true_length: int,
-        seed: int = 0,
-        max_new_tokens: int = 16,
-        ignore_eos: bool = False,
-    ):
-        if not 0 < true_length <= self.max_prefill_length:
-            raise ValueError(f"prompt length {true_length} not in [1, {self.max_prefill_length}]")
-        self.prefills += 1
-        token, logprob, done = self._emit(
-            self._version(params), seed, 0, max_new_tokens, ignore_eos
-        )
-        prefix = {
-            "seed": seed,
-            "index": 1,
-            "remaining": max_new_tokens - 1,
-            "ignore_eos": ignore_eos,
-            "kv": np.full(16, float(np.sum(padded_tokens[:true_length])), np.float32),
-        }
-        return prefix, ResultTokens([token], [logprob], [done], [1])
-
-    def insert(self, prefix: dict, decode_state: dict, slot: int) -> dict:
-        if decode_state["active"][slot]:
-            raise ValueError(f"slot {slot} is busy")
-        state = {k: v.copy() for k, v in decode_state.items()}
-        state["active"][slot] = True
-        for k in ("seed", "index", "remaining", "ignore_eos", "kv"):
-            state[k][slot] = prefix[k]
+        state = {k: np.zeros(s, np.int64) for k in _FIELDS if k != "kv"}
+        state["active"] = np.zeros(s, bool)
+        state["kv"] = np.zeros((s, 16), np.float32)  # stands for the slot's KV cache
         return state
 
-    def generate(self, params: Any, decode_state: dict):
+    def _emit(self, weights_version: int, seed: int, index: int, remaining: int, ignore: bool):
+        token = token_at(seed, index)
+        if remaining <= 1:
+            finish = FinishReason.LENGTH
+        elif not ignore and token == EOS:
+            finish = FinishReason.EOS
+        else:
+            finish = FinishReason.NONE
+        return token, logprob_of(weights_version, seed, index), int(finish)
+
+    def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length, requests):
+        if not 0 < true_length <= self.max_prefill_length:
+            raise ValueError(f"prompt length {true_length} not in [1, {self.max_prefill_length}]")
+        if not 1 <= requests.max_new_tokens <= self.max_decode_length:
+            raise ValueError(f"max_new_tokens={requests.max_new_tokens} out of range")
+        self.prefills += 1
+        weights_version = int(params.state["version"])
+        token, logprob, finish = self._emit(
+            weights_version, requests.seed, 0, requests.max_new_tokens, requests.ignore_eos
+        )
+        prefix = {
+            "active": True,
+            "seed": requests.seed,
+            "index": 1,
+            "remaining": requests.max_new_tokens - 1,
+            "ignore_eos": requests.ignore_eos,
+            "version": params.version,
+            "kv": np.full(16, float(np.sum(padded_tokens[:true_length])), np.float32),
+        }
+        result = ResultTokens(
+            np.asarray([token]),
+            np.asarray([logprob]),
+            np.asarray([finish]),
+            np.asarray([1]),
+            np.asarray([params.version]),
+            params.version,
+        )
+        return prefix, result
+
+    @staticmethod
+    def _set(decode_state: dict, slot: int, row: dict) -> dict:
+        if decode_state["active"][slot]:
+            raise ValueError(f"slot {slot} is busy; free it first")
+        state = {k: v.copy() for k, v in decode_state.items()}
+        for k in _FIELDS:
+            state[k][slot] = row[k]
+        return state
+
+    def insert(self, prefix: dict, decode_state: dict, slot: int) -> dict:
+        return self._set(decode_state, slot, prefix)
+
+    def generate(self, params: PolicyParams, decode_state: dict):
         self.steps += 1
         if self.fail_after_steps is not None and self.steps > self.fail_after_steps:
             raise RuntimeError("injected engine failure")
-        version = self._version(params)
+        weights_version = int(params.state["version"])
         state = {k: v.copy() for k, v in decode_state.items()}
         s = self.max_concurrent_decodes
         tokens, logprobs = np.zeros(s, np.int32), np.zeros(s, np.float32)
-        done = np.zeros(s, bool)
+        finish = np.zeros(s, np.int32)
         for slot in np.flatnonzero(state["active"]):
-            tokens[slot], logprobs[slot], done[slot] = self._emit(
-                version,
+            tokens[slot], logprobs[slot], finish[slot] = self._emit(
+                weights_version,
                 int(state["seed"][slot]),
                 int(state["index"][slot]),
                 int(state["remaining"][slot]),
@@ -160,9 +172,16 @@ class EngineDouble:
             state["index"][slot] += 1
             state["remaining"][slot] -= 1
             state["kv"][slot] += tokens[slot]
-            if done[slot]:
-                state["active"][slot] = False
-        return state, ResultTokens(tokens, logprobs, done, state["index"])
+            state["active"][slot] = finish[slot] == FinishReason.NONE
+        result = ResultTokens(
+            tokens,
+            logprobs,
+            finish,
+            state["index"].copy(),
+            state["version"].copy(),
+            params.version,
+        )
+        return state, result
 
     def free_slot(self, decode_state: dict, slot: int) -> dict:
         state = {k: v.copy() for k, v in decode_state.items()}
@@ -175,12 +194,7 @@ class EngineDouble:
         return {k: np.copy(decode_state[k][slot]) for k in _FIELDS}
 
     def import_slot(self, decode_state: dict, slot: int, exported: dict) -> dict:
-        if decode_state["active"][slot]:
-            raise ValueError(f"slot {slot} is busy")
-        state = {k: v.copy() for k, v in decode_state.items()}
-        for k in _FIELDS:
-            state[k][slot] = exported[k]
-        return state
+        return self._set(decode_state, slot, exported)
 
 
 class Published(NamedTuple):
@@ -190,16 +204,19 @@ class Published(NamedTuple):
 
 
 class TrainerDouble:
-    """Checks each batch like the real trainer would and turns version v into v + 1."""
+    """Checks each batch like the real trainer would and turns version v into v + 1; the
+    version is also written into the weights, so the engine double can read it back."""
 
     def __init__(self, mesh: Any, *, train_batch_size: int, group_size: int, staleness_bound: int):
         self.tbs, self.g, self.k = train_batch_size, group_size, staleness_bound
-        self._params = nnx.State({"w": jnp.ones((4, 4)), "version": jnp.int32(0)})
-        self._params = jax.device_put(
-            self._params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        )
+        self.mesh = mesh
         self._version = 0
+        self._params = self._weights(0)
         self.batches: list[list] = []
+
+    def _weights(self, version: int) -> nnx.State:
+        state = nnx.State({"w": jnp.full((4, 4), float(version)), "version": jnp.int32(version)})
+        return jax.device_put(state, NamedSharding(self.mesh, PartitionSpec()))
 
     @property
     def version(self) -> int:
@@ -221,8 +238,6 @@ class TrainerDouble:
 
     def publish(self, target_shardings: Any | None = None) -> Published:
         self._version += 1
-        self._params = nnx.State(
-            {"w": self._params["w"] + 1.0, "version": jnp.int32(self._version)}
-        )
+        self._params = self._weights(self._version)
         params = jax.device_put(self._params, target_shardings, may_alias=False)
         return Published(params, self._version, {"publish_seconds": 0.0})

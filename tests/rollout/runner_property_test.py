@@ -73,7 +73,7 @@ def test_every_mode_terminates_and_keeps_the_rules(tmp_path_factory, setup):
         # No re-prefill anywhere: every response is exactly the reference token sequence.
         for t in trained:
             seed = rollout.seed_of(t.prompt_id, t.sample_index)
-            ref = [token_at(seed, i, 64) for i in range(len(t.response_tokens))]
+            ref = [token_at(seed, i) for i in range(len(t.response_tokens))]
             assert t.response_tokens.tolist() == ref
     # The audit agrees with the runtime's and the trainer's own counters.
     assert report.trained == rollout.totals["trained"] == len(trained)
