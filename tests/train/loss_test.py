@@ -103,7 +103,7 @@ def _loss(logp, beh, adv, mask, config, train_beh, ref):
     )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(case=_case())
 def test_policy_loss_matches_reference(case):
     logp, beh, adv, mask, config, train_beh, ref = case
