@@ -64,11 +64,11 @@ class Plan:
     weight_moves: tuple[WeightMove, ...]
 
 
-def plan(views: list[InstanceView], targets: dict[int, int], newest: int) -> Plan:
+def plan(views: list[InstanceView], targets: dict[int, int], staged: set[int]) -> Plan:
     """Migrations and weight moves that bring each version towards `targets` instances.
 
-    A version with no instance can only be loaded if it is the newest (the trainer's copy);
-    the caller rebinds work of any other orphaned version first. An instance is released only
+    A version no instance holds can only be loaded from the trainer's copy (`staged`); the
+    caller rebinds the work of any other orphaned version first. An instance is released only
     if every request in it fits in the free slots of its version's remaining instances.
     """
     hosts: dict[int, list[InstanceView]] = {}
@@ -78,7 +78,7 @@ def plan(views: list[InstanceView], targets: dict[int, int], newest: int) -> Pla
     deficit = {
         v: n - len(hosts.get(v, []))
         for v, n in sorted(targets.items())
-        if n > len(hosts.get(v, [])) and (v in hosts or v == newest)
+        if n > len(hosts.get(v, [])) and (v in hosts or v in staged)
     }
     pool = [v.index for v in views if v.version is None]
     wanted = sum(deficit.values()) - len(pool)

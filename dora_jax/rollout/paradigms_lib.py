@@ -116,7 +116,7 @@ class Dora(Paradigm):
             for x in healthy
         ]
         targets = orchestrator_lib.allocate(len(healthy), r.outstanding())
-        plan = orchestrator_lib.plan(views, targets, r.window.newest)
+        plan = orchestrator_lib.plan(views, targets, set(r.staged))
         for m in plan.migrations:
             r.migrate(r.instances[m.src], m.src_slot, r.instances[m.dst], m.dst_slot)
         for move in plan.weight_moves:

@@ -72,10 +72,11 @@ class Rollout:
         self.telemetry = Telemetry(
             len(self.instances), [x.num_slots for x in self.instances], self.trace
         )
-        # Version 0 is the trainer's initial params, copied before its first step donates them.
-        self.newest_params = jax.device_put(
-            trainer.params, self.instances[0].param_shardings, may_alias=False
-        )
+        # Trainer copies of published versions that no instance holds yet (version 0: the
+        # initial params, copied before the trainer's first step donates them).
+        self.staged: dict[int, Any] = {
+            0: jax.device_put(trainer.params, self.instances[0].param_shardings, may_alias=False)
+        }
         self.tick = 0
         self.selected = 0  # batches handed to the trainer
         self.next_prompt = 0
@@ -247,7 +248,7 @@ class Rollout:
 
     def _rehome_orphans(self) -> None:
         """Pending work of a version no instance holds any more goes to the newest version."""
-        hosted = {x.version for x in self.healthy()} | {self.window.newest}
+        hosted = {x.version for x in self.healthy()} | set(self.staged)
         for version in [v for v, q in self.pending.items() if q and v not in hosted]:
             for request in self.pending.pop(version):
                 request.version = self.window.newest
@@ -258,9 +259,9 @@ class Rollout:
 
     def load(self, x: RolloutInstance, version: int, source: RolloutInstance | None) -> None:
         """Weight move: from `source` (an instance holding `version`) or the trainer's copy."""
-        params = source.params.state if source is not None else self.newest_params
-        if source is None and version != self.window.newest:
+        if source is None and version not in self.staged:
             raise RuntimeError(f"v{version} is not held anywhere; cannot load it on {x.name}")
+        params = source.params.state if source is not None else self.staged[version]
         t0 = self.trace.now_us()
         seconds, nbytes = x.load(version, params)
         origin = "trainer" if source is None else source.name
@@ -326,9 +327,10 @@ class Rollout:
         self._trainer_busy_s += (t1 - t0) / 1e6
         target = min(self.healthy(), key=lambda x: (len(x.active()), x.index))
         published = self.trainer.publish(target.param_shardings)
-        self.newest_params = published.params
+        self.staged[published.version] = published.params
         self.window.newest = published.version
         self._training = None
+        self._retire()
         now = self.trace.now_us()
         interval = (now - self._last_publish_us) / 1e6
         m = self.telemetry.iteration_metrics()
@@ -356,6 +358,10 @@ class Rollout:
         for x in self.healthy():
             if x.version is not None and x.version not in live and not x.active():
                 x.unload()
+        held = {x.version for x in self.healthy()}
+        for version in list(self.staged):
+            if version not in live or (version in held and version != self.window.newest):
+                del self.staged[version]
 
     # -- end of run ---------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ def test_plan_moves_requests_only_within_a_version_into_free_slots(views, data):
         if view.active:
             work[view.version] = max(work[view.version], len(view.active))
     targets = orchestrator_lib.allocate(len(views), work)
-    plan = orchestrator_lib.plan(views, targets, newest=2)
+    plan = orchestrator_lib.plan(views, targets, staged={2})
     by_index = {v.index: v for v in views}
     used = set()
     for m in plan.migrations:
