@@ -1,7 +1,8 @@
-"""`dora-jax COMMAND --config=configs/x.py [--config.a.b=v ...]`: the command-line entry point.
+"""`dora-jax COMMAND [flags]`: train | eval | audit | bench.
 
-Commands are absl apps sharing the flax-examples convention: an ml_collections config file
-with `get_config()` and `--config.field=value` overrides.
+Commands follow the flax-examples convention: an ml_collections config file with
+`get_config()` (`--config=configs/default.py`) and `--config.field=value` overrides, parsed by
+absl. `audit` takes only a workdir: it re-checks C1-C3 from the ledger alone.
 """
 
 from __future__ import annotations
@@ -15,31 +16,59 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Directory for run outputs.")
 
-COMMANDS = ("train",)
-
 
 def _use_cpu_devices(count: int) -> None:
     """Splits the host CPU into `count` XLA devices; must run before JAX initialises."""
     flag = f"--xla_force_host_platform_device_count={count}"
-    if flag not in os.environ.get("XLA_FLAGS", ""):
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+
+def _config():
+    config = _CONFIG.value
+    if config is None:
+        sys.exit("--config=configs/<name>.py is required")
+    _use_cpu_devices(config.num_cpu_devices)
+    return config
 
 
 def _train(argv: list[str]) -> None:
     del argv
-    config = _CONFIG.value
-    _use_cpu_devices(config.num_cpu_devices)
-    from dora_jax import demo
+    config = _config()
+    from dora_jax import app_lib
 
-    demo.model_round_trip(config, _WORKDIR.value)
+    summary = app_lib.train_and_evaluate(config, _WORKDIR.value)
+    print(
+        f"held-out pass@1 {summary['heldout_accuracy_before']:.3f} -> "
+        f"{summary['heldout_accuracy_after']:.3f} in {summary['iterations']} iterations, "
+        f"{summary['wall_time_s']:.0f}s; outputs in {_WORKDIR.value}"
+    )
+
+
+def _audit(argv: list[str]) -> None:
+    from dora_jax.rollout import audit_lib
+
+    workdir = argv[1] if len(argv) > 1 else _WORKDIR.value
+    sys.exit(audit_lib.main(workdir))
+
+
+def _bench(argv: list[str]) -> None:
+    del argv
+    config = _config()
+    from dora_jax.rollout import bench_lib
+
+    bench_lib.run_bench(config, _WORKDIR.value)
+
+
+COMMANDS = {"train": _train, "audit": _audit, "bench": _bench}
 
 
 def run() -> None:
     """Console-script entry point: the first argument names the command."""
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        sys.exit(f"usage: dora-jax {{{'|'.join(COMMANDS)}}} --config=configs/default.py [flags]")
+        sys.exit(f"usage: dora-jax {{{'|'.join(COMMANDS)}}} [--config=configs/default.py] ...")
     command = sys.argv.pop(1)
-    app.run({"train": _train}[command])
+    app.run(COMMANDS[command])
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ def run_mode(config: ml_collections.ConfigDict, mode: str, workdir: str) -> dict
         Engine(
             model,
             max_concurrent_decodes=config.engine.slots,
-            max_prefill_length=w.prompt_length,
+            # partial re-prefills prompt + generated-so-far after every weight update.
+            max_prefill_length=w.prompt_length + (w.max_length if mode == "partial" else 0),
             max_decode_length=w.max_length,
             mesh=mesh,
         )

@@ -18,7 +18,7 @@ import collections
 import concurrent.futures
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -47,6 +47,7 @@ class Rollout:
         prompts: PromptSource,
         reward_fn: RewardFn,
         workdir: str,
+        on_iteration: Callable[[dict[str, float]], None] | None = None,
     ):
         self.config = config
         self.paradigm = paradigms_lib.PARADIGMS[config.mode]()
@@ -55,6 +56,9 @@ class Rollout:
         self.prompts = prompts
         self.reward_fn = reward_fn
         self.workdir = workdir
+        # Called with each iteration's metrics right after its version is published: the app
+        # hangs metrics, progress and checkpoints here.
+        self.on_iteration = on_iteration
         self.instances = [
             RolloutInstance(i, e, sharding_lib.param_shardings(trainer.params, e.mesh))
             for i, e in enumerate(engines)
@@ -349,6 +353,8 @@ class Rollout:
             publish_s=published.metrics.get("publish_seconds", 0.0),
         )
         self.metrics.append(m)
+        if self.on_iteration is not None:
+            self.on_iteration(m)
         self._last_publish_us = now
         self.telemetry.reset(now)
 

@@ -1,0 +1,361 @@
+"""The training application behind `dora-jax train` / `make train`, read top to bottom.
+
+config -> devices (one training mesh, N generation meshes) -> data and reward -> policy
+(Hugging Face checkpoint or random init) -> SFT warm-up -> held-out evaluation -> RL with the
+configured rollout paradigm -> held-out evaluation -> summary (JSON + PNG), with the ledger,
+TensorBoard events, trace and checkpoints left in the workdir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from dora_jax import models
+from dora_jax.data import (
+    LongTailTask,
+    Tokenizer,
+    load_tokenizer,
+    make_template,
+    memory_rows,
+    open_files,
+    prompt_dataset,
+)
+from dora_jax.engine import Engine, Request, SamplingParams, generate_all
+from dora_jax.observe import metrics_lib, plots_lib, progress_lib
+from dora_jax.rewards import RewardRunner, get_reward
+from dora_jax.rollout.config_lib import RolloutConfig
+from dora_jax.rollout.request_lib import PromptSpec
+from dora_jax.rollout.runner_lib import Rollout
+from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
+from dora_jax.train import sft_lib
+from dora_jax.train.config_lib import TrainConfig
+from dora_jax.train.trainer_lib import Trainer
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_MODEL_SHAPE_FIELDS = {
+    f.name for f in dataclasses.fields(models.ModelConfig) if f.name not in ("vocab_size",)
+}
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Every section of the config, validated; built once at start so mistakes fail early."""
+
+    rollout: RolloutConfig
+    train: TrainConfig
+    plan: DevicePlan
+
+
+def validate(config: ml_collections.ConfigDict) -> Settings:
+    """Checks the whole config before any heavy work; errors name the offending field."""
+    if config.model.dtype not in _DTYPES:
+        raise ValueError(f"model.dtype={config.model.dtype!r}: expected one of {list(_DTYPES)}")
+    if config.data.source not in ("longtail", "files"):
+        raise ValueError(f"data.source={config.data.source!r}: expected 'longtail' or 'files'")
+    if config.data.source == "files" and not config.data.train_files:
+        raise ValueError("data.train_files must name at least one file when data.source='files'")
+    for field in ("slots", "max_decode_length"):
+        if int(config.engine[field]) < 1:
+            raise ValueError(f"engine.{field}={config.engine[field]!r}: must be >= 1")
+    rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "seed": config.seed})
+    train_fields = config.train.to_dict()
+    for shared in ("tbs", "group_size"):
+        if shared in train_fields:
+            raise ValueError(f"train.{shared}: set it once, as rollout.train_batch_size/group_size")
+    train = TrainConfig.from_config(
+        {
+            **train_fields,
+            "tbs": rollout.train_batch_size,
+            "group_size": rollout.group_size,
+            "max_staleness": max(rollout.staleness_bound, 1),
+        }
+    )
+    get_reward(config.reward.name)  # an unknown reward name fails here, not mid-run
+    plan = plan_devices(
+        train_devices=config.runtime.train_devices,
+        num_instances=config.runtime.num_instances,
+        devices_per_instance=config.runtime.devices_per_instance,
+        train_tp=config.runtime.train_tp,
+        instance_tp=config.runtime.instance_tp,
+    )
+    return Settings(rollout=rollout, train=train, plan=plan)
+
+
+# -- data and reward ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TaskData:
+    tokenizer: Tokenizer
+    train_rows: Any  # a RowSource
+    heldout: list[dict[str, str]]
+    demonstrations: list[tuple[str, str]]
+    task: LongTailTask | None
+
+
+def load_task(config: ml_collections.ConfigDict) -> TaskData:
+    if config.data.source == "longtail":
+        task_fields = {k: v for k, v in config.task.items() if k != "demonstration_noise"}
+        task = LongTailTask(**task_fields)
+        train = task.rows("train", 20_000, seed=config.seed)
+        heldout = task.rows("heldout", config.eval.num_prompts, seed=config.seed + 1)
+        demos = task.demonstrations(
+            task.rows("train", 20_000, seed=config.seed + 2),
+            config.task.demonstration_noise,
+            seed=config.seed,
+        )
+        return TaskData(task.tokenizer(), memory_rows(train, "longtail"), heldout, demos, task)
+    fields = (config.data.prompt_field, config.data.answer_field)
+    tokenizer = load_tokenizer(config.model.checkpoint)
+    heldout_rows: list[dict[str, str]] = []
+    if config.data.heldout_files:
+        source = open_files(config.data.heldout_files.split(","), fields)
+        heldout_rows = [
+            {"prompt": r[fields[0]], "answer": r[fields[1]]}
+            for _, rows in source.files
+            for r in rows[: config.eval.num_prompts]
+        ]
+    return TaskData(
+        tokenizer, open_files(config.data.train_files.split(","), fields), heldout_rows, [], None
+    )
+
+
+class PromptStream:
+    """Rollout's prompt source: the i-th prompt of the grain pipeline, with its answer.
+
+    Rollout asks for prompt ids 0, 1, 2, ... in order; each is pulled from the (checkpointable)
+    grain iterator once and remembered, so a group's answer is known when its samples finish.
+    """
+
+    def __init__(self, iterator: Any, group_size: int, max_new_tokens: int):
+        self.iterator = iterator
+        self.group_size = group_size
+        self.max_new_tokens = max_new_tokens
+        self.records: list[dict[str, Any]] = []
+
+    def __call__(self, prompt_id: int) -> PromptSpec:
+        while len(self.records) <= prompt_id:
+            self.records.append(next(self.iterator))
+        record = self.records[prompt_id]
+        return PromptSpec(
+            prompt_id,
+            np.asarray(record["prompt_tokens"], np.int32),
+            (self.max_new_tokens,) * self.group_size,
+        )
+
+    def answer(self, prompt_id: int) -> str:
+        return self.records[prompt_id]["answer"]
+
+
+class RewardAdapter:
+    """(prompt id, response tokens) -> reward, through the timeout-safe `RewardRunner`."""
+
+    def __init__(self, runner: RewardRunner, tokenizer: Tokenizer, prompts: PromptStream):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.prompts = prompts
+
+    def __call__(self, prompt_id: int, tokens: np.ndarray) -> float:
+        text = self.tokenizer.decode([int(t) for t in tokens])
+        return self.runner.score([(prompt_id, text, self.prompts.answer(prompt_id))])[0]
+
+
+# -- policy -------------------------------------------------------------------------------------
+
+
+def load_policy(config: ml_collections.ConfigDict, vocab_size: int) -> models.Transformer:
+    dtype = _DTYPES[config.model.dtype]
+    if config.model.checkpoint:
+        return models.from_pretrained(config.model.checkpoint, dtype=dtype)
+    shape = {k: v for k, v in config.model.items() if k in _MODEL_SHAPE_FIELDS}
+    model_config = models.ModelConfig(vocab_size=vocab_size, **shape)
+    return models.create(model_config, seed=config.seed, param_dtype=dtype, dtype=dtype)
+
+
+def warm_up(
+    config: ml_collections.ConfigDict,
+    model: models.Transformer,
+    data: TaskData,
+    mesh: jax.sharding.Mesh,
+    progress: bool,
+) -> models.Transformer:
+    """Supervised warm-up on demonstrations (skipped when there are none or sft.steps == 0)."""
+    steps = config.sft.steps
+    if not data.demonstrations or steps == 0:
+        return model
+    tok = data.tokenizer
+    examples = [
+        (tok.encode(prompt), tok.encode(response) + [tok.eos_id])
+        for prompt, response in data.demonstrations
+    ]
+    length = max(len(p) + len(r) for p, r in examples)
+    trainer = sft_lib.SupervisedTrainer(model, mesh, config.sft.learning_rate, steps)
+    rng = np.random.default_rng(config.seed)
+    display = progress_lib.ProgressDisplay(steps, "sft", live=progress)
+    for step in range(1, steps + 1):
+        picks = rng.choice(len(examples), config.sft.batch_size, replace=False)
+        tokens, mask = sft_lib.pack_examples([examples[i] for i in picks], length, tok.pad_id)
+        loss = trainer.step(tokens, mask)
+        if step % 50 == 0 or step == steps:
+            display.update(step, {"loss": loss})
+    display.close()
+    return trainer.model()
+
+
+def evaluate(
+    engine: Engine,
+    params: Any,
+    data: TaskData,
+    config: ml_collections.ConfigDict,
+    runner: RewardRunner,
+) -> dict[str, float]:
+    """pass@1 (mean over k samples) and pass@k on the held-out prompts at rollout temperature."""
+    if not data.heldout:
+        return {}
+    k = config.eval.samples_per_prompt
+    tok = data.tokenizer
+    requests = [
+        Request(prompt_tokens=tok.encode(row["prompt"]), seed=10_000 * i + j, id=(i, j))
+        for i, row in enumerate(data.heldout)
+        for j in range(k)
+    ]
+    completions = generate_all(engine, params, requests)
+    scores = np.asarray(
+        runner.score(
+            [(c.id, tok.decode(c.tokens), data.heldout[c.id[0]]["answer"]) for c in completions]
+        )
+    ).reshape(len(data.heldout), k)
+    correct = scores >= 1.0
+    return {"pass@1": float(correct.mean()), f"pass@{k}": float(correct.any(axis=1).mean())}
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def make_engines(
+    config: ml_collections.ConfigDict, model: models.Transformer, plan: DevicePlan, eos_id: int
+) -> list[Engine]:
+    sampling = SamplingParams(
+        temperature=config.engine.temperature, top_k=config.engine.top_k, top_p=config.engine.top_p
+    )
+    return [
+        Engine(
+            model,
+            max_concurrent_decodes=config.engine.slots,
+            max_prefill_length=config.data.max_prompt_len,
+            max_decode_length=config.engine.max_decode_length,
+            mesh=mesh,
+            sampling=sampling,
+            eos_ids=(eos_id,),
+        )
+        for mesh in plan.generation_meshes
+    ]
+
+
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str, progress: bool | None = None
+) -> dict[str, Any]:
+    """Runs the whole application; returns (and writes) `summary.json`."""
+    start = time.perf_counter()
+    settings = validate(config)
+    os.makedirs(workdir, exist_ok=True)
+    data = load_task(config)
+    model = load_policy(config, data.tokenizer.vocab_size)
+    model = warm_up(config, model, data, settings.plan.train_mesh, progress)
+    sft_seconds = time.perf_counter() - start
+
+    runner = RewardRunner(get_reward(config.reward.name), timeout_s=config.reward.timeout_s)
+    engines = make_engines(config, model, settings.plan, data.tokenizer.eos_id)
+    before = evaluate(engines[0], engines[0].load_params(version=0), data, config, runner)
+
+    trainer = Trainer(model, settings.train, settings.plan.train_mesh)
+    template = make_template(config.data.template, config.model.checkpoint or None)
+    iterator = iter(
+        prompt_dataset(
+            data.train_rows,
+            data.tokenizer,
+            template,
+            max_prompt_len=config.data.max_prompt_len,
+            seed=config.seed,
+            prompt_field=config.data.prompt_field if data.task is None else "prompt",
+            answer_field=config.data.answer_field if data.task is None else "answer",
+            on_bad_row=config.data.on_bad_row,
+        )
+    )
+    prompts = PromptStream(iterator, settings.rollout.group_size, config.engine.max_decode_length)
+    writer = metrics_lib.MetricsWriter(workdir)
+    display = progress_lib.ProgressDisplay(settings.rollout.num_iterations, "rl", live=progress)
+    rl_start = time.perf_counter()
+
+    def on_iteration(metrics: dict[str, float]) -> None:
+        step = int(metrics["iteration"]) + 1
+        metrics = {
+            **metrics,
+            **{k: float(v) for k, v in runner.metrics().items()},
+            **{f"data/skipped_{k}": float(v) for k, v in iterator.skipped.items()},
+            "wall_time_s": time.perf_counter() - rl_start,
+            "reward_mean": metrics.get("train/reward_mean", 0.0),
+            "response_length_mean": metrics.get("train/response_length_mean", 0.0),
+            "staleness_max": metrics.get("train/staleness_max", 0.0),
+        }
+        writer.write(step, metrics)
+        display.update(step, metrics)
+
+    rollout = Rollout(
+        settings.rollout,
+        engines,
+        trainer,
+        prompts,
+        RewardAdapter(runner, data.tokenizer, prompts),
+        workdir,
+        on_iteration=on_iteration,
+    )
+    history = rollout.run()
+    rl_seconds = time.perf_counter() - rl_start
+    display.close()
+    writer.close()
+
+    final_params = engines[0].shard_params(trainer.params, trainer.version)
+    after = evaluate(engines[0], final_params, data, config, runner)
+    trained_tokens = sum(m.get("trained_tokens", 0.0) for m in history)
+    summary = {
+        "mode": settings.rollout.mode,
+        "iterations": len(history),
+        "heldout_accuracy_before": before.get("pass@1"),
+        "heldout_accuracy_after": after.get("pass@1"),
+        "heldout_before": before,
+        "heldout_after": after,
+        "sft_seconds": sft_seconds,
+        "rl_seconds": rl_seconds,
+        "wall_time_s": time.perf_counter() - start,
+        "trained_tokens_per_s": trained_tokens / max(rl_seconds, 1e-9),
+        "rollout_totals": dict(rollout.totals),
+        "reward_counters": runner.metrics(),
+        "skipped_rows": dict(iterator.skipped),
+    }
+    _write_summary(workdir, summary, metrics_lib.read_metrics(workdir))
+    return summary
+
+
+def _write_summary(workdir: str, summary: dict[str, Any], records: Sequence[dict]) -> None:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    plots_lib.plot_summary(
+        records,
+        os.path.join(workdir, "summary.png"),
+        title=f"dora_jax {summary['mode']}: held-out pass@1 "
+        f"{summary['heldout_accuracy_before']} -> {summary['heldout_accuracy_after']}",
+    )
