@@ -9,18 +9,23 @@ are left out of the throughput figures; the ledgers and traces of every mode sta
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import time
 from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
 
 from dora_jax import models
 from dora_jax.engine import Engine
+from dora_jax.engine.engine_lib import Request as EngineRequest
 from dora_jax.rollout import audit_lib, request_lib
 from dora_jax.rollout.config_lib import RolloutConfig
 from dora_jax.rollout.runner_lib import Rollout
+from dora_jax.rollout.trajectory_lib import Trajectory
 from dora_jax.runtime.devices_lib import plan_devices
 from dora_jax.train import TrainConfig, Trainer
 
@@ -33,8 +38,85 @@ def _parity_reward(prompt_id: int, tokens: np.ndarray) -> float:
     return float((int(tokens.sum()) + prompt_id) % 2)
 
 
+class FinitePrompts:
+    """The first `num_prompts` prompts of a source, as a finite workload: every paradigm gets
+    exactly these groups and trains all of them (see `paradigms_lib.prompts_left`)."""
+
+    def __init__(self, source: request_lib.PromptSource, num_prompts: int):
+        self.source = source
+        self.num_prompts = num_prompts
+
+    def __len__(self) -> int:
+        return self.num_prompts
+
+    def __call__(self, prompt_id: int) -> request_lib.PromptSpec:
+        if not 0 <= prompt_id < self.num_prompts:
+            raise IndexError(f"prompt {prompt_id} is outside the workload of {self.num_prompts}")
+        return self.source(prompt_id)
+
+
+def workload(config: ml_collections.ConfigDict, seed: int, iterations: int) -> FinitePrompts:
+    """`iterations` batches' worth of heavy-tailed prompts (TBS / G groups per batch)."""
+    w, r = config.workload, config.rollout
+    source = request_lib.heavy_tail_prompts(
+        seed=seed,
+        group_size=r.group_size,
+        vocab_size=config.model.vocab_size,
+        prompt_length=w.prompt_length,
+        median_length=w.median_length,
+        max_length=w.max_length,
+        sigma=w.sigma,
+    )
+    return FinitePrompts(source, iterations * (r.train_batch_size // r.group_size))
+
+
+def precompile(engines: list[Engine], trainer: Trainer, config: ml_collections.ConfigDict):
+    """Compiles what a short warm-up run may miss: every prefill bucket of every engine (the
+    partial paradigm re-prefills prompt + generated tokens, any length) and a training step
+    per length bucket. The caller restores the trainer's state afterwards."""
+    for engine in engines:
+        params = engine.load_params()
+        for bucket in engine.prefill_buckets:
+            tokens = np.ones(bucket, np.int32)
+            request = EngineRequest(
+                prompt_tokens=tokens, max_new_tokens=1, ignore_eos=True, seed=0, id=(-1, 0)
+            )
+            engine.prefill(
+                params=params, padded_tokens=tokens, true_length=bucket, requests=request
+            )
+    r, w = config.rollout, config.workload
+    longest = w.prompt_length + w.max_length
+    for bucket in config.train.length_buckets:
+        n = min(bucket, longest) - w.prompt_length
+        if n < 1:
+            continue
+        batch = [
+            Trajectory(
+                prompt_id=i // r.group_size,
+                sample_index=i % r.group_size,
+                prompt_tokens=np.ones(w.prompt_length, np.int32),
+                response_tokens=np.ones(n, np.int32),
+                behaviour_logprobs=np.zeros(n, np.float32),
+                version=trainer.version,
+                token_versions=np.full(n, trainer.version, np.int32),
+                reward=float(i % 2),
+            )
+            for i in range(r.train_batch_size)
+        ]
+        trainer.step(batch)
+        if bucket >= longest:
+            break
+
+
 def run_mode(config: ml_collections.ConfigDict, mode: str, workdir: str) -> dict[str, float]:
-    """One paradigm on the workload; returns the figures of `REPORTED` plus the audit verdict."""
+    """One paradigm on the workload; returns the figures of `REPORTED` plus the audit verdict.
+
+    The engines and the trainer first run `warmup_iterations` of the same paradigm on another
+    seed's prompts (that pays every XLA compilation), the trainer is put back to its initial
+    state, and then the measured run trains the whole workload: `num_iterations` batches, the
+    same prompts and forced lengths in every mode, all of them trained. Throughput is its
+    trained tokens (prompt + response) over its wall time, start to last publish.
+    """
     plan = plan_devices(
         train_devices=config.runtime.train_devices,
         num_instances=config.runtime.num_instances,
@@ -68,26 +150,33 @@ def run_mode(config: ml_collections.ConfigDict, mode: str, workdir: str) -> dict
         ),
         plan.train_mesh,
     )
-    prompts = request_lib.heavy_tail_prompts(
-        seed=config.seed,
-        group_size=rollout_config.group_size,
-        vocab_size=config.model.vocab_size,
-        prompt_length=w.prompt_length,
-        median_length=w.median_length,
-        max_length=w.max_length,
-        sigma=w.sigma,
-    )
+    initial = jax.tree.map(np.array, jax.device_get(trainer.state))
     os.makedirs(workdir, exist_ok=True)
+    precompile(engines, trainer, config)
+    trainer.restore(initial)
+    if config.warmup_iterations > 0:
+        warm = dataclasses.replace(rollout_config, num_iterations=config.warmup_iterations)
+        prompts = workload(config, config.seed + 1, config.warmup_iterations)
+        warm_dir = os.path.join(workdir, "warmup")
+        os.makedirs(warm_dir, exist_ok=True)
+        Rollout(warm, engines, trainer, prompts, _parity_reward, warm_dir).run()
+        trainer.restore(initial)
+    prompts = workload(config, config.seed, rollout_config.num_iterations)
+    start = time.perf_counter()
     history = Rollout(rollout_config, engines, trainer, prompts, _parity_reward, workdir).run()
-    measured = history[config.warmup_iterations :] or history
-    seconds = sum(m["iteration_time_s"] for m in measured)
+    wall = time.perf_counter() - start
+    seconds = sum(m["iteration_time_s"] for m in history)
+    tokens = sum(m["trained_tokens"] for m in history)
     return {
-        "trained_tokens_per_s": sum(m["trained_tokens"] for m in measured) / seconds,
-        "rollout_time_s": sum(m["rollout_time_s"] for m in measured),
-        "step_time_s": float(np.mean([m["step_time_s"] for m in measured])),
-        "bubble_fraction": float(np.mean([m["bubble_fraction"] for m in measured])),
-        "slot_occupancy": float(np.mean([m["slot_occupancy"] for m in measured])),
+        "trained_tokens_per_s": tokens / seconds,
+        "rollout_time_s": sum(m["rollout_time_s"] for m in history),
+        "step_time_s": float(np.mean([m["step_time_s"] for m in history])),
+        "bubble_fraction": float(np.mean([m["bubble_fraction"] for m in history])),
+        "slot_occupancy": float(np.mean([m["slot_occupancy"] for m in history])),
+        "trained_tokens": tokens,
         "measured_seconds": seconds,
+        "wall_seconds": wall,
+        "trainer_idle_s": sum(m["trainer_idle_s"] for m in history),
         "audit_passed": audit_lib.audit(workdir).passed,
     }
 

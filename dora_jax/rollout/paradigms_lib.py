@@ -19,6 +19,16 @@ if TYPE_CHECKING:
     from dora_jax.rollout.runner_lib import Rollout
 
 
+def prompts_left(r: Rollout) -> int:
+    """Groups the prompt source can still give: a source with a length (`len(r.prompts)`) is a
+    finite workload, e.g. the benchmark's, so that every paradigm trains exactly the same
+    samples; a plain callable is an endless stream."""
+    try:
+        return len(r.prompts) - r.next_prompt  # type: ignore[arg-type]
+    except TypeError:
+        return 1 << 62
+
+
 class Paradigm:
     def bounds(self, config: RolloutConfig) -> tuple[int, int]:
         """(staleness bound K, samples kept in flight RBS)."""
@@ -27,8 +37,10 @@ class Paradigm:
     def top_up(self, r: Rollout) -> None:
         """Keeps RBS samples outstanding, all new ones under the newest version."""
         g = r.config.group_size
-        while sum(r.outstanding().values()) + g <= r.rollout_batch_size and r.window.admits(
-            r.window.newest, r.selected
+        while (
+            sum(r.outstanding().values()) + g <= r.rollout_batch_size
+            and prompts_left(r) > 0
+            and r.window.admits(r.window.newest, r.selected)
         ):
             r.dispatch_group(r.window.newest)
 
@@ -52,8 +64,10 @@ class Sync(Paradigm):
 
     def top_up(self, r: Rollout) -> None:
         b = r.config.groups_per_batch
-        if r.dispatched_per_version[r.window.newest] < b and r.window.admits(
-            r.window.newest, r.selected, b
+        if (
+            r.dispatched_per_version[r.window.newest] < b
+            and prompts_left(r) >= b
+            and r.window.admits(r.window.newest, r.selected, b)
         ):
             for _ in range(b):
                 r.dispatch_group(r.window.newest)
@@ -72,7 +86,11 @@ class OneStepOff(Sync):
         b = r.config.groups_per_batch
         v = r.window.newest
         quota = 2 * b if v == 0 else b
-        while r.dispatched_per_version[v] < quota and r.window.admits(v, r.selected, b):
+        while (
+            r.dispatched_per_version[v] < quota
+            and prompts_left(r) >= b
+            and r.window.admits(v, r.selected, b)
+        ):
             for _ in range(b):
                 r.dispatch_group(v)
 
@@ -129,7 +147,7 @@ class Dora(Paradigm):
         for version in reversed(r.window.live()):
             hosts = [x for x in r.healthy() if x.version == version]
             spare = sum(len(x.free()) for x in hosts) - len(r.pending.get(version, ()))
-            while spare >= g and r.window.admits(version, r.selected):
+            while spare >= g and prompts_left(r) > 0 and r.window.admits(version, r.selected):
                 r.dispatch_group(version)
                 r.telemetry.counters["spare_fills"] += 1
                 spare -= g
