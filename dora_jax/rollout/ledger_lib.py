@@ -19,12 +19,27 @@ LEDGER_FILE = "ledger.jsonl"
 
 
 class Ledger:
-    """Appends events to `workdir/ledger.jsonl` (truncating any earlier file)."""
+    """Appends events to `workdir/ledger.jsonl`.
 
-    def __init__(self, workdir: str):
+    A new run truncates any earlier file. A resumed run cuts the file back to the byte
+    offset its checkpoint recorded: events written after that checkpoint describe work the
+    resumed run redoes, and keeping them would count those samples twice.
+    """
+
+    def __init__(self, workdir: str, resume_offset: int | None = None):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, LEDGER_FILE)
-        self._file = open(self.path, "w")  # noqa: SIM115 - held for the run's lifetime
+        if resume_offset is None:
+            self._file = open(self.path, "w")  # noqa: SIM115 - held for the run's lifetime
+        else:
+            self._file = open(self.path, "r+")  # noqa: SIM115
+            self._file.truncate(resume_offset)
+            self._file.seek(resume_offset)
+
+    def offset(self) -> int:
+        """Bytes written so far, flushed: where a resumed run continues."""
+        self._file.flush()
+        return self._file.tell()
 
     def _write(self, event: dict[str, Any]) -> None:
         self._file.write(json.dumps(event) + "\n")

@@ -9,6 +9,7 @@ earliest-deadline-first so that no group outlives the staleness bound (C3).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from dora_jax.rollout.trajectory_lib import Trajectory
 
@@ -32,6 +33,33 @@ class TrajectoryQueue:
         self.groups_per_batch = groups_per_batch
         self._groups: dict[int, Group] = {}  # untrained groups by prompt id, in dispatch order
         self._seq = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able: every untrained group with its finished trajectories."""
+        return {
+            "seq": self._seq,
+            "groups": [
+                {
+                    "prompt_id": g.prompt_id,
+                    "versions": list(g.versions),
+                    "completed_seq": g.completed_seq,
+                    "done": [t.to_dict() for _, t in sorted(g.done.items())],
+                }
+                for g in self._groups.values()
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._seq = state["seq"]
+        self._groups = {}
+        for g in state["groups"]:
+            done = [Trajectory.from_dict(t) for t in g["done"]]
+            self._groups[g["prompt_id"]] = Group(
+                g["prompt_id"],
+                list(g["versions"]),
+                {t.sample_index: t for t in done},
+                g["completed_seq"],
+            )
 
     def deadline(self, group: Group) -> int:
         return min(group.versions) + self.k

@@ -48,6 +48,9 @@ class Rollout:
         reward_fn: RewardFn,
         workdir: str,
         on_iteration: Callable[[dict[str, float]], None] | None = None,
+        checkpoint_every: int = 0,
+        on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
+        resume: dict[str, Any] | None = None,
     ):
         self.config = config
         self.paradigm = paradigms_lib.PARADIGMS[config.mode]()
@@ -59,19 +62,25 @@ class Rollout:
         # Called with each iteration's metrics right after its version is published: the app
         # hangs metrics, progress and checkpoints here.
         self.on_iteration = on_iteration
+        # Every `checkpoint_every` versions the run reaches a barrier (see `_drain`) and hands
+        # `on_checkpoint` its state; `resume` is such a state to continue from.
+        self.checkpoint_every = checkpoint_every
+        self.on_checkpoint = on_checkpoint
+        self._draining = False
         self.instances = [
             RolloutInstance(i, e, sharding_lib.param_shardings(trainer.params, e.mesh))
             for i, e in enumerate(engines)
         ]
         self.queue = TrajectoryQueue(config.group_size, k, config.groups_per_batch)
         self.window = VersionWindow(self.queue)
-        self.ledger = ledger_lib.Ledger(workdir)
-        self.ledger.start(
-            mode=config.mode,
-            staleness_bound=k,
-            train_batch_size=config.train_batch_size,
-            group_size=config.group_size,
-        )
+        self.ledger = ledger_lib.Ledger(workdir, resume_offset=resume and resume["ledger_offset"])
+        if resume is None:
+            self.ledger.start(
+                mode=config.mode,
+                staleness_bound=k,
+                train_batch_size=config.train_batch_size,
+                group_size=config.group_size,
+            )
         self.trace = TraceWriter(f"dora_jax rollout ({config.mode})")
         self.telemetry = Telemetry(
             len(self.instances), [x.num_slots for x in self.instances], self.trace
@@ -96,6 +105,8 @@ class Rollout:
         self._publish_tick = 0
         self._last_publish_us = self.trace.now_us()
         self._trainer_busy_s = 0.0
+        if resume is not None:
+            self._load_state(resume)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -117,9 +128,13 @@ class Rollout:
             if self.window.newest >= self.config.num_iterations:
                 return
             triggers.add("new_version")
+            every = self.checkpoint_every
+            self._draining = bool(every) and self.window.newest % every == 0
+        if self._draining and not self.outstanding():
+            self._checkpoint()
         if self._training is None:
             self._try_train()
-        if self.selected < self.config.num_iterations:
+        if self.selected < self.config.num_iterations and not self._draining:
             self.paradigm.top_up(self)
         if self.tick % self.config.timer_steps == 0:
             triggers.add("timer")
@@ -130,7 +145,7 @@ class Rollout:
         self._rehome_orphans()
         self.paradigm.rebalance(self, triggers)
         self._admit()
-        if self.selected < self.config.num_iterations:
+        if self.selected < self.config.num_iterations and not self._draining:
             self.paradigm.fill_spare(self)
             self._admit()
         if any(x.active() for x in self.healthy()):
@@ -290,7 +305,7 @@ class Rollout:
     # -- trainer ------------------------------------------------------------------------------
 
     def _try_train(self) -> None:
-        if self.selected >= self.config.num_iterations:
+        if self.selected >= self.config.num_iterations or self._draining:
             return
         batch = self.queue.select_batch(self.selected)
         if batch is None:
@@ -368,6 +383,55 @@ class Rollout:
         for version in list(self.staged):
             if version not in live or (version in held and version != self.window.newest):
                 del self.staged[version]
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def _checkpoint(self) -> None:
+        """The barrier: nothing is in flight, so the state below is the whole rollout state.
+
+        While draining, no new work starts and the trainer waits; every dispatched sample
+        finishes under its own version and waits, complete, in the trajectory queue. Instances
+        drop their params, so a resumed run (which holds only the trainer's newest version)
+        and an uninterrupted one continue from identical states and write identical ledgers.
+        Nothing is ever resumed half-generated, so no trajectory mixes versions across a crash.
+        """
+        for x in self.healthy():
+            x.unload()
+        self._draining = False
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self.state_dict())
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able rollout state at a barrier (nothing in flight, nothing pending)."""
+        if self.outstanding() or self._training is not None:
+            raise RuntimeError("rollout state is only complete at a checkpoint barrier")
+        return {
+            "tick": self.tick,
+            "selected": self.selected,
+            "newest": self.window.newest,
+            "next_prompt": self.next_prompt,
+            "dispatched_per_version": {str(v): n for v, n in self.dispatched_per_version.items()},
+            "totals": dict(self.totals),
+            "queue": self.queue.state_dict(),
+            "ledger_offset": self.ledger.offset(),
+        }
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        if self.trainer.version != state["newest"]:
+            raise ValueError(
+                f"trainer restored at version {self.trainer.version}, "
+                f"rollout state is at version {state['newest']}"
+            )
+        self.tick = state["tick"]
+        self.selected = state["selected"]
+        self.window.newest = state["newest"]
+        self.next_prompt = state["next_prompt"]
+        self.dispatched_per_version.update(
+            {int(v): n for v, n in state["dispatched_per_version"].items()}
+        )
+        self.totals.update(state["totals"])
+        self.queue.load_state_dict(state["queue"])
+        self.staged = {self.window.newest: self.staged.pop(0)}
 
     # -- end of run ---------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ C2/C3: (`prompt_id`, `sample_index`) identify the sample in its group of G.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +35,34 @@ class Trajectory:
                 f"behaviour_logprobs and token_versions must have equal length, got "
                 f"{n}, {len(self.behaviour_logprobs)}, {len(self.token_versions)}"
             )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form, for checkpoints of the trajectory queue."""
+        return {
+            "prompt_id": self.prompt_id,
+            "sample_index": self.sample_index,
+            "prompt_tokens": self.prompt_tokens.tolist(),
+            "response_tokens": self.response_tokens.tolist(),
+            "behaviour_logprobs": self.behaviour_logprobs.tolist(),
+            "version": self.version,
+            "token_versions": self.token_versions.tolist(),
+            "reward": self.reward,
+            "truncated": self.truncated,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        return cls(
+            prompt_id=d["prompt_id"],
+            sample_index=d["sample_index"],
+            prompt_tokens=np.asarray(d["prompt_tokens"], np.int32),
+            response_tokens=np.asarray(d["response_tokens"], np.int32),
+            behaviour_logprobs=np.asarray(d["behaviour_logprobs"], np.float32),
+            version=d["version"],
+            token_versions=np.asarray(d["token_versions"], np.int32),
+            reward=d["reward"],
+            truncated=d["truncated"],
+        )
 
     @property
     def key(self) -> tuple[int, int]:

@@ -226,6 +226,11 @@ class TrainerDouble:
     def params(self) -> Any:
         return self._params
 
+    def restore_version(self, version: int) -> None:
+        """What restoring a checkpoint of `version` does to the real trainer."""
+        self._version = version
+        self._params = self._weights(version)
+
     def step(self, batch: list) -> dict[str, float]:
         assert len(batch) == self.tbs, f"batch of {len(batch)}, TBS={self.tbs}"
         groups: dict[int, list[int]] = {}

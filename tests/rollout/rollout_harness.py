@@ -18,6 +18,9 @@ def make_rollout(
     fail: dict[int, int] | None = None,
     median_length: int = 6,
     max_length: int = 80,
+    checkpoint_every: int = 0,
+    on_checkpoint=None,
+    resume: dict | None = None,
     **config,
 ) -> tuple[runner_lib.Rollout, TrainerDouble, list[EngineDouble]]:
     cfg = RolloutConfig(**config)
@@ -37,6 +40,8 @@ def make_rollout(
         group_size=cfg.group_size,
         staleness_bound=k,
     )
+    if resume is not None:
+        trainer.restore_version(resume["newest"])
     prompts = request_lib.heavy_tail_prompts(
         seed=cfg.seed,
         group_size=cfg.group_size,
@@ -45,6 +50,14 @@ def make_rollout(
         max_length=max_length,
     )
     rollout = runner_lib.Rollout(
-        cfg, engines, trainer, prompts, lambda pid, toks: float(len(toks) % 2), workdir
+        cfg,
+        engines,
+        trainer,
+        prompts,
+        lambda pid, toks: float(len(toks) % 2),
+        workdir,
+        checkpoint_every=checkpoint_every,
+        on_checkpoint=on_checkpoint,
+        resume=resume,
     )
     return rollout, trainer, engines
