@@ -38,6 +38,7 @@ from dora_jax.rollout.request_lib import PromptSpec
 from dora_jax.rollout.runner_lib import Rollout
 from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
 from dora_jax.train import sft_lib
+from dora_jax.train.checkpoint_lib import Checkpointer
 from dora_jax.train.config_lib import TrainConfig
 from dora_jax.train.trainer_lib import Trainer
 
@@ -134,21 +135,26 @@ def load_task(config: ml_collections.ConfigDict) -> TaskData:
 
 
 class PromptStream:
-    """Rollout's prompt source: the i-th prompt of the grain pipeline, with its answer.
+    """Rollout's prompt source: prompt id i is the next record of the grain pipeline.
 
-    Rollout asks for prompt ids 0, 1, 2, ... in order; each is pulled from the (checkpointable)
-    grain iterator once and remembered, so a group's answer is known when its samples finish.
+    Rollout asks for prompt ids in order, once each; records are kept so a group's answer is
+    known when its samples finish. A resumed run starts at `first_id` with the iterator
+    restored to the matching position (the checkpoint barrier leaves no prompt half-used).
     """
 
-    def __init__(self, iterator: Any, group_size: int, max_new_tokens: int):
+    def __init__(self, iterator: Any, group_size: int, max_new_tokens: int, first_id: int = 0):
         self.iterator = iterator
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens
-        self.records: list[dict[str, Any]] = []
+        self.next_id = first_id
+        self.records: dict[int, dict[str, Any]] = {}
 
     def __call__(self, prompt_id: int) -> PromptSpec:
-        while len(self.records) <= prompt_id:
-            self.records.append(next(self.iterator))
+        if prompt_id not in self.records:
+            if prompt_id != self.next_id:
+                raise ValueError(f"prompt {prompt_id} requested out of order ({self.next_id})")
+            self.records[prompt_id] = next(self.iterator)
+            self.next_id += 1
         record = self.records[prompt_id]
         return PromptSpec(
             prompt_id,
@@ -268,37 +274,47 @@ def make_engines(
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str, progress: bool | None = None
 ) -> dict[str, Any]:
-    """Runs the whole application; returns (and writes) `summary.json`."""
+    """Runs the whole application, resuming from the newest checkpoint in `workdir` if any;
+    returns (and writes) `summary.json`."""
     start = time.perf_counter()
     settings = validate(config)
     os.makedirs(workdir, exist_ok=True)
     data = load_task(config)
-    model = load_policy(config, data.tokenizer.vocab_size)
-    model = warm_up(config, model, data, settings.plan.train_mesh, progress)
-    sft_seconds = time.perf_counter() - start
-
     runner = RewardRunner(get_reward(config.reward.name), timeout_s=config.reward.timeout_s)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+    latest = checkpointer.latest_step()
+    model = load_policy(config, data.tokenizer.vocab_size)
+    if latest is None:
+        model = warm_up(config, model, data, settings.plan.train_mesh, progress)
     engines = make_engines(config, model, settings.plan, data.tokenizer.eos_id)
-    before = evaluate(engines[0], engines[0].load_params(version=0), data, config, runner)
-
     trainer = Trainer(model, settings.train, settings.plan.train_mesh)
-    template = make_template(config.data.template, config.model.checkpoint or None)
-    iterator = iter(
-        prompt_dataset(
-            data.train_rows,
-            data.tokenizer,
-            template,
-            max_prompt_len=config.data.max_prompt_len,
-            seed=config.seed,
-            prompt_field=config.data.prompt_field if data.task is None else "prompt",
-            answer_field=config.data.answer_field if data.task is None else "answer",
-            on_bad_row=config.data.on_bad_row,
+    iterator = iter(_prompt_dataset(config, data))
+
+    if latest is None:
+        before = evaluate(engines[0], engines[0].load_params(version=0), data, config, runner)
+        meta: dict[str, Any] = {
+            "heldout_before": before,
+            "sft_seconds": time.perf_counter() - start,
+        }
+        resume = None
+    else:
+        restored = checkpointer.restore(
+            latest, train_state_like=_train_arrays(trainer.state), data_iterator=iterator
         )
+        meta = restored.meta
+        trainer.restore({**restored.train_state, **meta["trainer"]})
+        resume = meta["rollout"]
+        print(f"resumed from the checkpoint of version {latest} in {workdir}", flush=True)
+
+    prompts = PromptStream(
+        iterator,
+        settings.rollout.group_size,
+        config.engine.max_decode_length,
+        first_id=resume["next_prompt"] if resume else 0,
     )
-    prompts = PromptStream(iterator, settings.rollout.group_size, config.engine.max_decode_length)
-    writer = metrics_lib.MetricsWriter(workdir)
+    writer = metrics_lib.MetricsWriter(workdir, resume and meta["metrics_offset"])
     display = progress_lib.ProgressDisplay(settings.rollout.num_iterations, "rl", live=progress)
-    rl_start = time.perf_counter()
+    rl_start = time.perf_counter() - meta.get("rl_seconds", 0.0)
 
     def on_iteration(metrics: dict[str, float]) -> None:
         step = int(metrics["iteration"]) + 1
@@ -314,6 +330,23 @@ def train_and_evaluate(
         writer.write(step, metrics)
         display.update(step, metrics)
 
+    def on_checkpoint(rollout_state: dict[str, Any]) -> None:
+        state = trainer.state
+        checkpoint_meta = {
+            **meta,
+            "seed": config.seed,
+            "rollout": rollout_state,
+            "trainer": {k: int(v) for k, v in state.items() if k not in _TRAIN_ARRAYS},
+            "metrics_offset": writer.offset(),
+            "rl_seconds": time.perf_counter() - rl_start,
+        }
+        checkpointer.save(
+            rollout_state["newest"],
+            train_state=_train_arrays(state),
+            data_iterator=iterator,
+            meta=checkpoint_meta,
+        )
+
     rollout = Rollout(
         settings.rollout,
         engines,
@@ -322,32 +355,60 @@ def train_and_evaluate(
         RewardAdapter(runner, data.tokenizer, prompts),
         workdir,
         on_iteration=on_iteration,
+        checkpoint_every=config.checkpoint.every,
+        on_checkpoint=on_checkpoint,
+        resume=resume,
     )
-    history = rollout.run()
+    rollout.run()
     rl_seconds = time.perf_counter() - rl_start
     display.close()
     writer.close()
+    checkpointer.close()
 
     final_params = engines[0].shard_params(trainer.params, trainer.version)
     after = evaluate(engines[0], final_params, data, config, runner)
-    trained_tokens = sum(m.get("trained_tokens", 0.0) for m in history)
+    records = metrics_lib.read_metrics(workdir)
+    trained_tokens = sum(r.get("trained_tokens", 0.0) for r in records)
     summary = {
         "mode": settings.rollout.mode,
-        "iterations": len(history),
-        "heldout_accuracy_before": before.get("pass@1"),
+        "iterations": len(records),
+        "heldout_accuracy_before": meta["heldout_before"].get("pass@1"),
         "heldout_accuracy_after": after.get("pass@1"),
-        "heldout_before": before,
+        "heldout_before": meta["heldout_before"],
         "heldout_after": after,
-        "sft_seconds": sft_seconds,
+        "sft_seconds": meta["sft_seconds"],
         "rl_seconds": rl_seconds,
         "wall_time_s": time.perf_counter() - start,
         "trained_tokens_per_s": trained_tokens / max(rl_seconds, 1e-9),
         "rollout_totals": dict(rollout.totals),
         "reward_counters": runner.metrics(),
         "skipped_rows": dict(iterator.skipped),
+        "resumed_from": latest,
     }
-    _write_summary(workdir, summary, metrics_lib.read_metrics(workdir))
+    _write_summary(workdir, summary, records)
     return summary
+
+
+_TRAIN_ARRAYS = ("params", "opt_state")
+
+
+def _train_arrays(state: dict[str, Any]) -> dict[str, Any]:
+    """The array part of the trainer's state (the rest is counters, kept in the JSON meta)."""
+    return {k: state[k] for k in _TRAIN_ARRAYS}
+
+
+def _prompt_dataset(config: ml_collections.ConfigDict, data: TaskData) -> Any:
+    builtin = data.task is not None
+    return prompt_dataset(
+        data.train_rows,
+        data.tokenizer,
+        make_template(config.data.template, config.model.checkpoint or None),
+        max_prompt_len=config.data.max_prompt_len,
+        seed=config.seed,
+        prompt_field="prompt" if builtin else config.data.prompt_field,
+        answer_field="answer" if builtin else config.data.answer_field,
+        on_bad_row=config.data.on_bad_row,
+    )
 
 
 def _write_summary(workdir: str, summary: dict[str, Any], records: Sequence[dict]) -> None:

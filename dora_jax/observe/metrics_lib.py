@@ -20,10 +20,19 @@ from tensorboardX import SummaryWriter
 class MetricsWriter:
     """Writes one scalar per metric per step under `workdir` (`events.*` and `metrics.jsonl`)."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, resume_offset: int | None = None):
         os.makedirs(workdir, exist_ok=True)
         self._tb = SummaryWriter(logdir=workdir, flush_secs=5)
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
+        path = os.path.join(workdir, "metrics.jsonl")
+        self._jsonl = open(path, "a")  # noqa: SIM115 - held for the run's lifetime
+        if resume_offset is not None:
+            # Records after the checkpoint describe iterations the resumed run redoes.
+            self._jsonl.truncate(resume_offset)
+
+    def offset(self) -> int:
+        """Bytes of `metrics.jsonl` written so far: where a resumed run continues."""
+        self._jsonl.flush()
+        return self._jsonl.tell()
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         record: dict[str, Any] = {"step": step}

@@ -1,11 +1,11 @@
 """Checkpoints that lose nothing: one orbax step holds everything a resume needs.
 
-Items per step: `params` and `opt_state` (sharded arrays, restored onto the caller's
-shardings), `data` (the grain iterator's position, through grain's own orbax handler) and
-`meta` (JSON: RNG seed state, version counter, ledger byte offset, rollout state — which prompt
-groups were dispatched, finished or queued). Saving all of them in one atomic orbax step is what
-makes "resume from the newest checkpoint" safe: a step directory either has every item or is
-not a checkpoint at all.
+Items per step: `train_state` (params and optimizer state: sharded arrays, restored onto the
+caller's shardings), `data` (the grain iterator's position, through grain's own orbax handler)
+and `meta` (JSON: seed, version counter, ledger byte offset, rollout state — which prompt
+groups were dispatched, finished or queued, with the finished trajectories themselves).
+Saving all of them in one atomic orbax step is what makes "resume from the newest checkpoint"
+safe: a step directory either has every item or is not a checkpoint at all.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import orbax.checkpoint as ocp
 @dataclasses.dataclass
 class Restored:
     step: int
-    params: Any
-    opt_state: Any
+    train_state: Any
     meta: dict[str, Any]
 
 
@@ -44,14 +43,14 @@ class Checkpointer:
         self,
         step: int,
         *,
-        params: Any,
-        opt_state: Any,
+        train_state: Any,
         data_iterator: grain.DatasetIterator | None,
         meta: dict[str, Any],
     ) -> None:
+        """Starts an async save; the arrays are copied to host before this returns, so the
+        caller may donate their buffers right after."""
         items: dict[str, Any] = {
-            "params": ocp.args.StandardSave(params),
-            "opt_state": ocp.args.StandardSave(opt_state),
+            "train_state": ocp.args.StandardSave(train_state),
             "meta": ocp.args.JsonSave(meta),
         }
         if data_iterator is not None:
@@ -62,11 +61,10 @@ class Checkpointer:
         self,
         step: int,
         *,
-        params_like: Any,
-        opt_state_like: Any,
+        train_state_like: Any,
         data_iterator: grain.DatasetIterator | None,
     ) -> Restored:
-        """Restores `step` onto the shardings of `params_like` / `opt_state_like`.
+        """Restores `step` onto the shardings of `train_state_like`.
 
         `data_iterator` is advanced in place to the saved position.
         """
@@ -75,14 +73,13 @@ class Checkpointer:
             return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
 
         items: dict[str, Any] = {
-            "params": ocp.args.StandardRestore(abstract(params_like)),
-            "opt_state": ocp.args.StandardRestore(abstract(opt_state_like)),
+            "train_state": ocp.args.StandardRestore(abstract(train_state_like)),
             "meta": ocp.args.JsonRestore(),
         }
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         out = self._manager.restore(step, args=ocp.args.Composite(**items))
-        return Restored(step, out["params"], out["opt_state"], dict(out["meta"]))
+        return Restored(step, out["train_state"], dict(out["meta"]))
 
     def wait(self) -> None:
         """Blocks until pending async saves are on disk."""

@@ -196,9 +196,10 @@ def test_iterator_state_survives_the_orbax_checkpointer(tmp_path):
     head = list(itertools.islice(it, 7))
     params = {"w": jnp.zeros(2)}
     ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
-    ckpt.save(1, params=params, opt_state={"m": jnp.ones(2)}, data_iterator=it, meta={})
+    state = {"params": params, "opt_state": {"m": jnp.ones(2)}}
+    ckpt.save(1, train_state=state, data_iterator=it, meta={})
     resumed = iter(ds)
-    ckpt.restore(1, params_like=params, opt_state_like={"m": jnp.ones(2)}, data_iterator=resumed)
+    ckpt.restore(1, train_state_like=state, data_iterator=resumed)
     ckpt.close()
     assert resumed.skipped == it.skipped
     assert as_tuples(head + list(resumed)) == as_tuples(full)

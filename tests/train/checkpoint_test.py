@@ -37,7 +37,8 @@ def test_resume_restores_params_optimizer_iterator_and_meta(tmp_path):
     consumed = [next(iterator) for _ in range(7)]
     ckpt = Checkpointer(str(tmp_path), keep=2)
     meta = {"version": 7, "ledger_offset": 1234, "rollout": {"queued": [[3, 1]]}}
-    ckpt.save(7, params=params, opt_state=opt_state, data_iterator=iterator, meta=meta)
+    state = {"params": params, "opt_state": opt_state}
+    ckpt.save(7, train_state=state, data_iterator=iterator, meta=meta)
     expected_next = [next(iterator) for _ in range(5)]
     ckpt.close()
 
@@ -45,11 +46,10 @@ def test_resume_restores_params_optimizer_iterator_and_meta(tmp_path):
     assert fresh.latest_step() == 7
     target = nnx.state(sharding_lib.shard_model(create(CONFIG, seed=2), mesh), nnx.Param)
     resumed_iter = iter(_dataset())
-    out = fresh.restore(
-        7, params_like=target, opt_state_like=tx.init(target), data_iterator=resumed_iter
-    )
+    like = {"params": target, "opt_state": tx.init(target)}
+    out = fresh.restore(7, train_state_like=like, data_iterator=resumed_iter)
     assert out.meta == meta
-    for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(params), strict=True):
+    for a, b in zip(jax.tree.leaves(out.train_state), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert a.sharding == b.sharding
     assert [next(resumed_iter) for _ in range(5)] == expected_next
@@ -60,7 +60,7 @@ def test_keeps_only_the_newest_steps(tmp_path):
     ckpt = Checkpointer(str(tmp_path), keep=2, async_save=False)
     tree = {"w": jnp.ones(3)}
     for step in (1, 2, 3):
-        ckpt.save(step, params=tree, opt_state=tree, data_iterator=None, meta={"step": step})
+        ckpt.save(step, train_state=tree, data_iterator=None, meta={"step": step})
     ckpt.close()
     assert Checkpointer(str(tmp_path)).latest_step() == 3
     assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2, 3]
