@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from flax import nnx
 
 from dora_jax import models
 from dora_jax.data import (
@@ -102,7 +103,7 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
 class TaskData:
     tokenizer: Tokenizer
     train_rows: Any  # a RowSource
-    heldout: list[dict[str, str]]
+    heldout_rows: Any  # a RowSource, or None: no held-out evaluation
     demonstrations: list[tuple[str, str]]
     task: LongTailTask | None
 
@@ -112,7 +113,7 @@ def load_task(config: ml_collections.ConfigDict) -> TaskData:
         task_fields = {k: v for k, v in config.task.items() if k != "demonstration_noise"}
         task = LongTailTask(**task_fields)
         train = task.rows("train", 20_000, seed=config.seed)
-        heldout = task.rows("heldout", config.eval.num_prompts, seed=config.seed + 1)
+        heldout = memory_rows(task.rows("heldout", config.eval.num_prompts, config.seed + 1))
         demos = task.demonstrations(
             task.rows("train", 20_000, seed=config.seed + 2),
             config.task.demonstration_noise,
@@ -120,18 +121,11 @@ def load_task(config: ml_collections.ConfigDict) -> TaskData:
         )
         return TaskData(task.tokenizer(), memory_rows(train, "longtail"), heldout, demos, task)
     fields = (config.data.prompt_field, config.data.answer_field)
-    tokenizer = load_tokenizer(config.model.checkpoint)
-    heldout_rows: list[dict[str, str]] = []
+    heldout = None
     if config.data.heldout_files:
-        source = open_files(config.data.heldout_files.split(","), fields)
-        heldout_rows = [
-            {"prompt": r[fields[0]], "answer": r[fields[1]]}
-            for _, rows in source.files
-            for r in rows[: config.eval.num_prompts]
-        ]
-    return TaskData(
-        tokenizer, open_files(config.data.train_files.split(","), fields), heldout_rows, [], None
-    )
+        heldout = open_files(config.data.heldout_files.split(","), fields)
+    train = open_files(config.data.train_files.split(","), fields)
+    return TaskData(load_tokenizer(config.model.checkpoint), train, heldout, [], None)
 
 
 class PromptStream:
@@ -221,29 +215,38 @@ def warm_up(
     return trainer.model()
 
 
+def heldout_records(config: ml_collections.ConfigDict, data: TaskData) -> list[dict[str, Any]]:
+    """The first `eval.num_prompts` held-out prompts, through the same pipeline as training
+    (template, tokenizer, length limit, bad-row policy)."""
+    if data.heldout_rows is None:
+        return []
+    iterator = iter(_prompt_dataset(config, data, data.heldout_rows, num_epochs=1))
+    return [record for record, _ in zip(iterator, range(config.eval.num_prompts), strict=False)]
+
+
 def evaluate(
     engine: Engine,
     params: Any,
-    data: TaskData,
+    records: Sequence[dict[str, Any]],
     config: ml_collections.ConfigDict,
     runner: RewardRunner,
+    tokenizer: Tokenizer,
 ) -> dict[str, float]:
     """pass@1 (mean over k samples) and pass@k on the held-out prompts at rollout temperature."""
-    if not data.heldout:
+    if not records:
         return {}
     k = config.eval.samples_per_prompt
-    tok = data.tokenizer
     requests = [
-        Request(prompt_tokens=tok.encode(row["prompt"]), seed=10_000 * i + j, id=(i, j))
-        for i, row in enumerate(data.heldout)
+        Request(prompt_tokens=record["prompt_tokens"], seed=10_000 * i + j, id=(i, j))
+        for i, record in enumerate(records)
         for j in range(k)
     ]
     completions = generate_all(engine, params, requests)
     scores = np.asarray(
         runner.score(
-            [(c.id, tok.decode(c.tokens), data.heldout[c.id[0]]["answer"]) for c in completions]
+            [(c.id, tokenizer.decode(c.tokens), records[c.id[0]]["answer"]) for c in completions]
         )
-    ).reshape(len(data.heldout), k)
+    ).reshape(len(records), k)
     correct = scores >= 1.0
     return {"pass@1": float(correct.mean()), f"pass@{k}": float(correct.any(axis=1).mean())}
 
@@ -288,10 +291,12 @@ def train_and_evaluate(
         model = warm_up(config, model, data, settings.plan.train_mesh, progress)
     engines = make_engines(config, model, settings.plan, data.tokenizer.eos_id)
     trainer = Trainer(model, settings.train, settings.plan.train_mesh)
-    iterator = iter(_prompt_dataset(config, data))
+    iterator = iter(_prompt_dataset(config, data, data.train_rows))
+    heldout = heldout_records(config, data)
 
     if latest is None:
-        before = evaluate(engines[0], engines[0].load_params(version=0), data, config, runner)
+        initial = engines[0].load_params(version=0)
+        before = evaluate(engines[0], initial, heldout, config, runner, data.tokenizer)
         meta: dict[str, Any] = {
             "heldout_before": before,
             "sft_seconds": time.perf_counter() - start,
@@ -366,7 +371,9 @@ def train_and_evaluate(
     checkpointer.close()
 
     final_params = engines[0].shard_params(trainer.params, trainer.version)
-    after = evaluate(engines[0], final_params, data, config, runner)
+    after = evaluate(engines[0], final_params, heldout, config, runner, data.tokenizer)
+    nnx.update(model, trainer.params)
+    models.save_pretrained(model, os.path.join(workdir, "hf_policy"))
     records = metrics_lib.read_metrics(workdir)
     trained_tokens = sum(r.get("trained_tokens", 0.0) for r in records)
     summary = {
@@ -389,6 +396,28 @@ def train_and_evaluate(
     return summary
 
 
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+    """`dora-jax eval`: held-out pass@1 / pass@k of the newest checkpoint in `workdir` (or of
+    the starting policy when there is none yet)."""
+    settings = validate(config)
+    data = load_task(config)
+    model = load_policy(config, data.tokenizer.vocab_size)
+    engine = make_engines(config, model, settings.plan, data.tokenizer.eos_id)[0]
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+    latest = checkpointer.latest_step()
+    params = engine.load_params(version=0)
+    if latest is not None:
+        trainer = Trainer(model, settings.train, settings.plan.train_mesh)
+        restored = checkpointer.restore(
+            latest, train_state_like=_train_arrays(trainer.state), data_iterator=None
+        )
+        params = engine.shard_params(restored.train_state["params"], latest)
+    checkpointer.close()
+    runner = RewardRunner(get_reward(config.reward.name), timeout_s=config.reward.timeout_s)
+    scores = evaluate(engine, params, heldout_records(config, data), config, runner, data.tokenizer)
+    return {"version": float(latest or 0), **scores}
+
+
 _TRAIN_ARRAYS = ("params", "opt_state")
 
 
@@ -397,10 +426,12 @@ def _train_arrays(state: dict[str, Any]) -> dict[str, Any]:
     return {k: state[k] for k in _TRAIN_ARRAYS}
 
 
-def _prompt_dataset(config: ml_collections.ConfigDict, data: TaskData) -> Any:
+def _prompt_dataset(
+    config: ml_collections.ConfigDict, data: TaskData, rows: Any, num_epochs: int | None = None
+) -> Any:
     builtin = data.task is not None
     return prompt_dataset(
-        data.train_rows,
+        rows,
         data.tokenizer,
         make_template(config.data.template, config.model.checkpoint or None),
         max_prompt_len=config.data.max_prompt_len,
@@ -408,6 +439,7 @@ def _prompt_dataset(config: ml_collections.ConfigDict, data: TaskData) -> Any:
         prompt_field="prompt" if builtin else config.data.prompt_field,
         answer_field="answer" if builtin else config.data.answer_field,
         on_bad_row=config.data.on_bad_row,
+        num_epochs=num_epochs,
     )
 
 

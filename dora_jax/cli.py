@@ -45,6 +45,15 @@ def _train(argv: list[str]) -> None:
     )
 
 
+def _eval(argv: list[str]) -> None:
+    del argv
+    config = _config()
+    from dora_jax import app_lib
+
+    scores = app_lib.evaluate_checkpoint(config, _WORKDIR.value)
+    print("  ".join(f"{k} {v:.4g}" for k, v in scores.items()))
+
+
 def _audit(argv: list[str]) -> None:
     from dora_jax.rollout import audit_lib
 
@@ -60,7 +69,7 @@ def _bench(argv: list[str]) -> None:
     bench_lib.run_bench(config, _WORKDIR.value)
 
 
-COMMANDS = {"train": _train, "audit": _audit, "bench": _bench}
+COMMANDS = {"train": _train, "eval": _eval, "audit": _audit, "bench": _bench}
 
 
 def run() -> None:

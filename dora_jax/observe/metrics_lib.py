@@ -18,16 +18,19 @@ from tensorboardX import SummaryWriter
 
 
 class MetricsWriter:
-    """Writes one scalar per metric per step under `workdir` (`events.*` and `metrics.jsonl`)."""
+    """Writes one scalar per metric per step under `workdir` (`events.*` and `metrics.jsonl`).
+
+    `resume_offset` is the `offset()` a checkpoint recorded; None starts a new run.
+    """
 
     def __init__(self, workdir: str, resume_offset: int | None = None):
         os.makedirs(workdir, exist_ok=True)
         self._tb = SummaryWriter(logdir=workdir, flush_secs=5)
         path = os.path.join(workdir, "metrics.jsonl")
         self._jsonl = open(path, "a")  # noqa: SIM115 - held for the run's lifetime
-        if resume_offset is not None:
-            # Records after the checkpoint describe iterations the resumed run redoes.
-            self._jsonl.truncate(resume_offset)
+        # A new run starts the file afresh; a resumed one drops the records written after its
+        # checkpoint, since it redoes those iterations.
+        self._jsonl.truncate(resume_offset or 0)
 
     def offset(self) -> int:
         """Bytes of `metrics.jsonl` written so far: where a resumed run continues."""

@@ -1,0 +1,114 @@
+"""The application: config validation names the field, and a real tiny run end to end on the
+files-and-checkpoint path (JSONL with malformed rows, an HF checkpoint directory with its
+tokenizer, a user reward that sometimes raises)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import default
+from dora_jax import app_lib, models
+from dora_jax.data import LongTailTask
+from dora_jax.rollout import audit_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize(
+    "section,field,value,named",
+    [
+        ("rollout", "train_batch_size", 60, "rollout.train_batch_size"),
+        ("rollout", "rollout_batch_size", 32, "rollout.rollout_batch_size"),
+        ("rollout", "staleness_bound", -1, "rollout.staleness_bound"),
+        ("rollout", "mode", "async_magic", "rollout.mode"),
+        ("runtime", "num_instances", 9, "runtime.num_instances"),
+        ("train", "loss", "no_such_loss", "loss"),
+        ("reward", "name", "no_such_reward", "no_such_reward"),
+        ("model", "dtype", "float8", "model.dtype"),
+        ("data", "source", "s3", "data.source"),
+        ("engine", "slots", 0, "engine.slots"),
+    ],
+)
+def test_bad_config_fails_at_start_naming_the_field(section, field, value, named):
+    config = default.get_config()
+    config[section][field] = value
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        app_lib.validate(config)
+
+
+def test_batch_size_set_twice_is_refused():
+    config = default.get_config()
+    config.train.tbs = 32
+    with pytest.raises(ValueError, match=r"train\.tbs"):
+        app_lib.validate(config)
+
+
+def test_cli_reports_a_bad_field_and_exits_non_zero():
+    result = subprocess.run(
+        [sys.executable, "-m", "dora_jax.cli", "train", "--config=configs/default.py",
+         "--config.rollout.group_size=7", "--workdir=/tmp/never_written"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "rollout.train_batch_size" in result.stderr
+    assert not os.path.exists("/tmp/never_written/ledger.jsonl")
+
+
+@pytest.mark.slow
+def test_files_and_checkpoint_path_end_to_end(tmp_path):
+    task = LongTailTask()
+    checkpoint = tmp_path / "policy"
+    tokenizer = task.tokenizer()
+    tokenizer.save(checkpoint)
+    model = models.create(
+        models.ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                           num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True)
+    )  # fmt: skip
+    models.save_pretrained(model, str(checkpoint))
+    rows = task.rows("train", 12, seed=0)  # 8 good rows: the run reads the first epoch whole
+    lines = [json.dumps(r) for r in rows]
+    lines[1] = json.dumps({"prompt": "1+1>2="})  # missing answer
+    lines[4] = json.dumps({"prompt": 5, "answer": "x"})  # wrong type
+    lines[7] = "{not json"
+    lines[10] = json.dumps({"prompt": "0+1>" + "1" * 40 + "=", "answer": "1"})  # too long
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("\n".join(lines) + "\n")
+    heldout_file = tmp_path / "heldout.jsonl"
+    heldout_file.write_text("\n".join(json.dumps(r) for r in task.rows("heldout", 8, 1)) + "\n")
+
+    config = default.get_config()
+    config.model.checkpoint = str(checkpoint)
+    config.data.source = "files"
+    config.data.train_files = str(train_file)
+    config.data.heldout_files = str(heldout_file)
+    config.reward.name = "app_rewards:flaky_exact_match"
+    config.rollout.update(num_iterations=4, train_batch_size=8, rollout_batch_size=16,
+                          group_size=4)  # fmt: skip
+    config.engine.slots = 4
+    config.eval.update(num_prompts=8, samples_per_prompt=1)
+    config.checkpoint.every = 2
+    workdir = tmp_path / "run"
+    summary = app_lib.train_and_evaluate(config, str(workdir), progress=False)
+
+    assert summary["iterations"] == 4
+    skipped = summary["skipped_rows"]  # each bad row counted every epoch the run reaches it
+    assert set(skipped) == {"missing_field", "wrong_type", "invalid_json", "prompt_too_long"}
+    assert 1 <= min(skipped.values()) <= max(skipped.values()) <= 2
+    assert summary["reward_counters"]["reward/errors"] > 0  # answers starting with "1"
+    assert summary["heldout_accuracy_before"] is not None
+    for name in ("ledger.jsonl", "trace.json", "summary.json", "summary.png", "metrics.jsonl"):
+        assert (workdir / name).exists(), name
+    assert any(p.name.startswith("events.out.tfevents") for p in workdir.iterdir())
+    assert [p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()] == ["2"]
+    reloaded = models.from_pretrained(str(workdir / "hf_policy"))
+    assert reloaded.config.vocab_size == tokenizer.vocab_size
+    assert audit_lib.audit(str(workdir)).passed
+    on_disk = json.loads((workdir / "summary.json").read_text())
+    for key in ("heldout_accuracy_before", "heldout_accuracy_after", "iterations", "wall_time_s",
+                "trained_tokens_per_s"):  # fmt: skip
+        assert key in on_disk
