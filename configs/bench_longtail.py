@@ -52,5 +52,6 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.train = ml_collections.ConfigDict()
     c.train.learning_rate = 1e-4
-    c.train.length_buckets = (32, 64, 128, 192)
+    c.train.length_buckets = (16, 32, 64, 128, 192)
+    c.train.micro_batch_size = 8
     return c

@@ -41,6 +41,14 @@ def test_bad_config_fails_at_start_naming_the_field(section, field, value, named
         app_lib.validate(config)
 
 
+def test_real_recipe_is_a_valid_config():
+    from configs import qwen3_gsm8k
+
+    settings = app_lib.validate(qwen3_gsm8k.get_config())
+    assert settings.rollout.mode == "dora" and settings.train.tbs == 256
+    assert settings.plan.num_instances == 4
+
+
 def test_batch_size_set_twice_is_refused():
     config = default.get_config()
     config.train.tbs = 32
