@@ -1,0 +1,944 @@
+"""The generation engine: JetStream's Engine API over a slot KV cache, with behaviour log-probs.
+
+The decode state is a `SlotState`: one row per slot holding that slot's KV cache, position, last
+token, sampler settings, stop settings and policy version. A prefill result (`Prefix`) and an
+exported slot (`ExportedSlot`) are the same structure with their own number of rows and cache
+length, so `insert` and `import_slot` are one scatter and a migrated request carries everything
+it needs to continue bit-for-bit (no re-prefill).
+
+Params are passed explicitly as `PolicyParams(state, version)`. Only `state` enters the jitted
+functions, so a new policy version never recompiles anything; `version` tags every prefix and
+every `ResultTokens`, which is how C1 (one version per trajectory) becomes checkable.
+
+Compilation is bounded: prefill pads prompts to a few length buckets and the prompt count to a
+power of two; generate, insert, export and free each compile once per engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dora_jax.engine import sampling_lib
+from dora_jax.engine.sampling_lib import SamplingParams
+from dora_jax.models import Functional, KVCache, Transformer, sharding_lib
+
+
+class FinishReason(enum.IntEnum):
+    """Why a slot stopped; `NONE` while it decodes (or never held a request)."""
+
+    NONE = 0
+    EOS = 1  # sampled one of the request's EOS ids
+    LENGTH = 2  # reached max_new_tokens
+    STOP = 3  # a stop sequence / stop string matched (host side, see `stop_reached`)
+    ABORTED = 4  # freed by `free_slot` while still decoding
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+# --------------------------------------------------------------------------------------------
+# Params, requests, completions
+# --------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_pytree_node_class
+class PolicyParams:
+    """Model params plus the policy version they are.
+
+    `version` is static pytree data (so `jax.device_put(p, shardings)` keeps it), but the engine
+    hands only `state` to its jitted functions: changing versions never recompiles.
+    """
+
+    def __init__(self, state: Any, version: int):
+        self.state = state
+        self.version = version
+
+    def tree_flatten(self):
+        return (self.state,), self.version
+
+    @classmethod
+    def tree_unflatten(cls, version, children):
+        return cls(children[0], version)
+
+    def __repr__(self) -> str:
+        return f"PolicyParams(version={self.version})"
+
+
+def _unwrap(params: Any) -> tuple[Any, int]:
+    if not isinstance(params, PolicyParams):
+        raise TypeError(
+            "engine params must be PolicyParams(state, version) so every token is tagged with "
+            f"the policy version that sampled it; got {type(params).__name__}. Use "
+            "engine.load_params(version=...) or engine.shard_params(state, version=...)."
+        )
+    return params.state, int(params.version)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation request.
+
+    prompt_tokens: the prompt's token ids (1 .. max_prefill_length of them).
+    sampling: None uses the engine's default `SamplingParams`.
+    max_new_tokens: None uses the engine's max_decode_length (also the upper bound).
+    ignore_eos: never stop on an EOS id (the request runs to exactly max_new_tokens).
+    min_new_tokens: an EOS id stops the request only after at least this many tokens. EOS is
+      not masked out of the distribution, so the behaviour log-probs stay those of the policy.
+    seed: PRNG seed; token i uses fold_in(key(seed mod 2**32), i).
+    eos_ids: None uses the engine's eos_ids.
+    stop_sequences / stop_strings: checked on the host after each token (`stop_reached`);
+      stop strings need a detokenize callable. The matching tokens stay in the completion.
+    id: the caller's handle, copied to the `Completion`.
+    """
+
+    prompt_tokens: Sequence[int]
+    sampling: SamplingParams | None = None
+    max_new_tokens: int | None = None
+    ignore_eos: bool = False
+    seed: int = 0
+    id: Any = None
+    min_new_tokens: int = 0
+    eos_ids: Sequence[int] | None = None
+    stop_sequences: Sequence[Sequence[int]] = ()
+    stop_strings: Sequence[str] = ()
+
+
+@dataclasses.dataclass
+class Completion:
+    """A finished request: its generated tokens and their behaviour log-probs."""
+
+    id: Any
+    prompt_tokens: np.ndarray  # int32 [prompt_len]
+    tokens: np.ndarray  # int32 [n]
+    logprobs: np.ndarray  # float32 [n], log-prob under the distribution each was sampled from
+    version: int  # the policy version of the params that produced every token
+    finish_reason: str  # "eos" | "length" | "stop"
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def stop_reached(
+    request: Request,
+    tokens: Sequence[int],
+    detokenize: Callable[[Sequence[int]], str] | None = None,
+) -> bool:
+    """Whether the generated `tokens` end in one of the request's stop sequences or contain one
+    of its stop strings (`detokenize` maps generated ids to text). Called after every token, it
+    stops at the first token that completes a match."""
+    for seq in request.stop_sequences:
+        n = len(seq)
+        if n and len(tokens) >= n and [int(t) for t in tokens[-n:]] == [int(t) for t in seq]:
+            return True
+    if request.stop_strings:
+        if detokenize is None:
+            raise ValueError(f"request {request.id!r} has stop_strings but no detokenize callable")
+        text = detokenize([int(t) for t in tokens])
+        return any(s in text for s in request.stop_strings)
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# Device-side state
+# --------------------------------------------------------------------------------------------
+
+
+class SlotState(NamedTuple):
+    """Per-row decoding state. The decode state has one row per slot; a prefix one per prompt."""
+
+    cache: KVCache  # k, v: [layers, rows, cache_len, kv_heads, head_dim]
+    tokens: jax.Array  # int32: the last sampled token, the next step's input
+    positions: jax.Array  # int32: the cache index that token will be written at
+    generated: jax.Array  # int32: tokens sampled so far (= the next token's PRNG index)
+    prompt_length: jax.Array  # int32
+    active: jax.Array  # bool: still decoding
+    finish_reason: jax.Array  # int32 FinishReason
+    version: jax.Array  # int32: policy version of the params that prefilled it
+    temperature: jax.Array  # float32
+    top_k: jax.Array  # int32
+    top_p: jax.Array  # float32
+    seed: jax.Array  # uint32
+    max_new_tokens: jax.Array  # int32
+    min_new_tokens: jax.Array  # int32
+    eos_ids: jax.Array  # int32 [rows, max_eos_ids], padded with -1
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+
+DecodeState = SlotState
+Prefix = SlotState
+ExportedSlot = SlotState  # one row
+
+
+class SlotData(NamedTuple):
+    """JetStream's per-slot view (`tokens`, `valid`, `lengths`) plus log-probs and status."""
+
+    tokens: np.ndarray  # [samples, 1]
+    valid: np.ndarray  # [samples, 1]
+    lengths: np.ndarray  # [samples]: tokens generated so far, this one included
+    log_probs: np.ndarray  # [samples, 1]
+    finish_reason: np.ndarray  # [samples]: FinishReason after this token (NONE: continues)
+    version: np.ndarray  # [samples]: the version that prefilled the slot
+
+
+_COLUMNS = ("token", "valid", "length", "finish_reason", "version")
+
+
+@struct.dataclass
+class ResultTokens:
+    """Tokens of one prefill or generate call, in JetStream's layout, plus behaviour log-probs.
+
+    `data` packs [rows, token | valid | length | finish_reason | version] into one int32 array
+    (one device-to-host copy); `log_probs` is float32 [rows, 1]. `version` is the policy version
+    of the params that produced these tokens.
+    """
+
+    data: Any
+    log_probs: Any
+    tokens_idx: tuple[int, int] = struct.field(pytree_node=False, default=(0, 1))
+    valid_idx: tuple[int, int] = struct.field(pytree_node=False, default=(1, 2))
+    length_idx: tuple[int, int] = struct.field(pytree_node=False, default=(2, 3))
+    finish_idx: tuple[int, int] = struct.field(pytree_node=False, default=(3, 4))
+    version_idx: tuple[int, int] = struct.field(pytree_node=False, default=(4, 5))
+    samples_per_slot: int = struct.field(pytree_node=False, default=1)
+    version: int = struct.field(pytree_node=False, default=0)
+
+    def copy_to_host_async(self) -> None:
+        for x in (self.data, self.log_probs):
+            if isinstance(x, jax.Array):
+                x.copy_to_host_async()
+
+    def convert_to_numpy(self) -> ResultTokens:
+        return self.replace(data=np.asarray(self.data), log_probs=np.asarray(self.log_probs))
+
+    def get_result_at_slot(self, slot: int) -> SlotData:
+        rows = slice(slot * self.samples_per_slot, (slot + 1) * self.samples_per_slot)
+        col = lambda idx: self.data[rows, idx[0] : idx[1]]
+        return SlotData(
+            tokens=col(self.tokens_idx),
+            valid=col(self.valid_idx),
+            lengths=col(self.length_idx)[:, 0],
+            log_probs=self.log_probs[rows],
+            finish_reason=col(self.finish_idx)[:, 0],
+            version=col(self.version_idx)[:, 0],
+        )
+
+    # Whole-batch views (numpy after `convert_to_numpy`).
+    @property
+    def tokens(self):
+        return self.data[:, self.tokens_idx[0]]
+
+    @property
+    def valid(self):
+        return self.data[:, self.valid_idx[0]].astype(bool)
+
+    @property
+    def lengths(self):
+        return self.data[:, self.length_idx[0]]
+
+    @property
+    def finish_reasons(self):
+        return self.data[:, self.finish_idx[0]]
+
+    @property
+    def slot_versions(self):
+        return self.data[:, self.version_idx[0]]
+
+
+class _RowSettings(NamedTuple):
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    max_new_tokens: int
+    min_new_tokens: int
+    eos_ids: tuple[int, ...]
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_buckets(max_prefill_length: int, smallest: int = 8) -> tuple[int, ...]:
+    """Powers of two from `smallest` below max_prefill_length, then max_prefill_length."""
+    buckets, b = [], smallest
+    while b < max_prefill_length:
+        buckets.append(b)
+        b *= 2
+    return (*buckets, max_prefill_length)
+
+
+# --------------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------------
+
+
+class Engine:
+    """JetStream-style generation engine for a `dora_jax.models` decoder.
+
+    Args:
+      model: a `dora_jax.models.Transformer`; its params are what `load_params` returns.
+      max_concurrent_decodes: number of decode slots.
+      max_prefill_length: longest prompt.
+      max_decode_length: most tokens one request may generate. Each slot's KV cache holds
+        max_prefill_length + max_decode_length positions.
+      mesh: the engine's (fsdp, tp) mesh (`sharding_lib.make_mesh`); None: the first device.
+        Params shard by the model's logical-axis rules; the KV cache shards slots over `fsdp`
+        and kv heads over `tp` where they divide.
+      sampling: default `SamplingParams` for requests that carry none (None: temperature 1).
+      eos_ids: default EOS ids for requests that carry none.
+      max_eos_ids: room per slot for a request's EOS ids.
+      prefill_buckets: prompt-length buckets (sorted; the last must be max_prefill_length).
+      cache_dtype: KV-cache dtype; None: the model's compute dtype.
+      rules: logical-axis sharding rules (default `sharding_lib.DEFAULT_RULES`).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        max_concurrent_decodes: int,
+        max_prefill_length: int,
+        max_decode_length: int,
+        mesh: Mesh | None = None,
+        sampling: SamplingParams | None = None,
+        eos_ids: Sequence[int] = (),
+        max_eos_ids: int = 8,
+        prefill_buckets: Sequence[int] | None = None,
+        cache_dtype: Any = None,
+        rules: Mapping[str, str | None] = sharding_lib.DEFAULT_RULES,
+    ):
+        for name, value in (
+            ("max_concurrent_decodes", max_concurrent_decodes),
+            ("max_prefill_length", max_prefill_length),
+            ("max_decode_length", max_decode_length),
+            ("max_eos_ids", max_eos_ids),
+        ):
+            if int(value) != value or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        self.config = model.config
+        self._model = model
+        self._fn, state = Functional.of(model)
+        self._slots = int(max_concurrent_decodes)
+        self._max_prefill_length = int(max_prefill_length)
+        self._max_decode_length = int(max_decode_length)
+        self._cache_length = self._max_prefill_length + self._max_decode_length
+        self._mesh = mesh if mesh is not None else sharding_lib.make_mesh(jax.devices()[:1], 1, 1)
+        self._rules = dict(rules)
+        self._cache_dtype = cache_dtype if cache_dtype is not None else model.dtype
+        self.sampling = sampling
+        self._max_eos_ids = int(max_eos_ids)
+        self.eos_ids = tuple(int(e) for e in eos_ids)
+        self._check_eos_ids(self.eos_ids, "engine")
+        buckets = tuple(prefill_buckets or default_buckets(self._max_prefill_length))
+        if list(buckets) != sorted(set(buckets)) or buckets[-1] != self._max_prefill_length:
+            raise ValueError(
+                f"prefill_buckets must be increasing and end at max_prefill_length="
+                f"{self._max_prefill_length}, got {buckets}"
+            )
+        self.prefill_buckets = buckets
+
+        self._param_shardings = sharding_lib.param_shardings(state, self._mesh, self._rules)
+        slots_axis = "fsdp" if "fsdp" in self._mesh.axis_names else None
+        self._decode_shardings = self._state_shardings(slots_axis=slots_axis)
+        self._row_shardings = self._state_shardings(slots_axis=None)
+        replicated = NamedSharding(self._mesh, PartitionSpec())
+        self._replicated = replicated
+        self._init_jit = jax.jit(self._init_impl, out_shardings=self._decode_shardings)
+        self._prefill_jit = jax.jit(
+            self._prefill_impl, out_shardings=(self._row_shardings, replicated, replicated)
+        )
+        self._generate_jit = jax.jit(
+            self._generate_impl,
+            donate_argnums=(1,),
+            out_shardings=(self._decode_shardings, replicated, replicated),
+        )
+        self._insert_jit = jax.jit(
+            self._insert_impl, donate_argnums=(0,), out_shardings=self._decode_shardings
+        )
+        self._export_jit = jax.jit(self._export_impl, out_shardings=self._row_shardings)
+        self._free_jit = jax.jit(
+            self._free_impl, donate_argnums=(0,), out_shardings=self._decode_shardings
+        )
+
+    # ---- JetStream properties -----------------------------------------------------------
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self._slots
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill_length
+
+    @property
+    def max_decode_length(self) -> int:
+        return self._max_decode_length
+
+    @property
+    def cache_length(self) -> int:
+        return self._cache_length
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    @property
+    def colocated_cpus(self) -> None:
+        return None
+
+    def get_prefix_destination_sharding(self) -> Prefix:
+        """Shardings (a `SlotState` of them) that a prefix or exported slot should have on
+        this engine's mesh before `insert` / `import_slot`."""
+        return self._row_shardings
+
+    # ---- params ---------------------------------------------------------------------------
+
+    def load_params(self, version: int = 0) -> PolicyParams:
+        """The model's current params, sharded onto the engine's mesh, as policy `version`."""
+        return self.shard_params(nnx.state(self._model), version=version)
+
+    def shard_params(self, state: Any, version: int) -> PolicyParams:
+        """Places a params state (same structure as the model's) on the engine's mesh."""
+        return PolicyParams(
+            sharding_lib.shard_state(state, self._param_shardings), version=int(version)
+        )
+
+    # ---- decode state ---------------------------------------------------------------------
+
+    def init_decode_state(self) -> DecodeState:
+        """An empty decode state: every slot free."""
+        return self._init_jit()
+
+    def active_slots(self, decode_state: DecodeState) -> np.ndarray:
+        """bool [max_concurrent_decodes]: which slots hold a request still decoding."""
+        return np.asarray(jax.device_get(decode_state.active))
+
+    def free_slot(self, decode_state: DecodeState, slot: int | Sequence[int]) -> DecodeState:
+        """Stops the request(s) in `slot` (finish reason ABORTED if still decoding), so the
+        slot can be refilled. Freeing an idle slot is a no-op."""
+        slots = self._check_slots(slot)
+        mask = np.zeros(self._slots, bool)
+        mask[slots] = True
+        return self._free_jit(decode_state, mask)
+
+    # ---- prefill --------------------------------------------------------------------------
+
+    def prefill(
+        self,
+        *,
+        params: PolicyParams,
+        existing_prefix: Prefix | None = None,
+        padded_tokens: Any,
+        true_length: int | Sequence[int],
+        requests: Request | Sequence[Request] | None = None,
+    ) -> tuple[Prefix, ResultTokens]:
+        """Prefills one prompt ([T] tokens, `true_length` int) or several ([B, T], lengths [B]).
+
+        Returns the prefix (KV cache and the first sampled token, one row per prompt) and the
+        first token's `ResultTokens`. `requests` optionally gives each row its sampling, seed
+        and limits; without it a row uses the engine defaults with seed 0.
+        """
+        if existing_prefix is not None:
+            raise NotImplementedError("prefill with an existing_prefix is not supported")
+        tokens = np.asarray(padded_tokens)
+        if tokens.ndim not in (1, 2):
+            raise ValueError(f"padded_tokens must be [T] or [B, T], got shape {tokens.shape}")
+        rows = tokens[None] if tokens.ndim == 1 else tokens
+        lengths = np.broadcast_to(np.asarray(true_length, np.int64), (rows.shape[0],))
+        if requests is None:
+            requests = [Request(prompt_tokens=()) for _ in range(rows.shape[0])]
+        elif isinstance(requests, Request):
+            requests = [requests]
+        if len(requests) != rows.shape[0]:
+            raise ValueError(f"{rows.shape[0]} prompts but {len(requests)} requests")
+        filled = []
+        for row, n, req in zip(rows, lengths, requests, strict=True):
+            if not 0 <= n <= row.shape[0]:
+                raise ValueError(f"true_length {n} outside the padded length {row.shape[0]}")
+            prompt = row[: int(n)]
+            if len(req.prompt_tokens) and list(req.prompt_tokens) != prompt.tolist():
+                raise ValueError(f"request {req.id!r}: prompt_tokens differ from padded_tokens")
+            filled.append(dataclasses.replace(req, prompt_tokens=prompt))
+        return self.prefill_requests(params, filled)
+
+    def prefill_requests(
+        self, params: PolicyParams, requests: Sequence[Request]
+    ) -> tuple[Prefix, ResultTokens]:
+        """Prefills several requests in one call (row i is requests[i]).
+
+        All rows are padded to the bucket of the longest prompt and the row count to a power of
+        two; rows past len(requests) are padding (valid == 0) that `insert` drops.
+        """
+        state, version = _unwrap(params)
+        if not requests:
+            raise ValueError("prefill_requests needs at least one request")
+        prompts = [self._check_prompt(r) for r in requests]
+        settings = [self.resolve_settings(r) for r in requests]
+        bucket = self.bucket_for(max(len(p) for p in prompts))
+        rows = _next_power_of_two(len(requests))
+        tokens = np.zeros((rows, bucket), np.int32)
+        lengths = np.ones(rows, np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+            lengths[i] = len(p)
+        real = np.arange(rows) < len(requests)
+        pad = _RowSettings(0.0, 0, 1.0, 0, 1, 0, ())
+        columns = self._settings_arrays(settings + [pad] * (rows - len(requests)))
+        prefix, data, log_probs = self._prefill_jit(
+            state, tokens, lengths, real, columns, np.int32(version)
+        )
+        return prefix, ResultTokens(data, log_probs, version=version)
+
+    def bucket_for(self, length: int) -> int:
+        for b in self.prefill_buckets:
+            if length <= b:
+                return b
+        raise ValueError(f"prompt length {length} exceeds max_prefill_length")
+
+    # ---- insert / generate ---------------------------------------------------------------
+
+    def insert(
+        self, prefix: Prefix, decode_state: DecodeState, slot: int | Sequence[int]
+    ) -> DecodeState:
+        """Installs prefix row i into slot[i] (an int slot takes row 0). Rows past len(slot)
+        are not inserted. A slot still decoding is an error: free it first. A prefix made on
+        another mesh is copied over first."""
+        slots = self._check_slots(slot)
+        if len(slots) > prefix.num_rows:
+            raise ValueError(f"{len(slots)} slots for a prefix of {prefix.num_rows} rows")
+        self._check_shape(prefix, "prefix")
+        self._check_free(decode_state, slots)
+        return self._insert_rows(decode_state, prefix, slots)
+
+    def generate(
+        self, params: PolicyParams, decode_state: DecodeState
+    ) -> tuple[DecodeState, ResultTokens]:
+        """One decode step for every slot; consumes (donates) `decode_state`."""
+        state, version = _unwrap(params)
+        decode_state, data, log_probs = self._generate_jit(state, decode_state)
+        return decode_state, ResultTokens(data, log_probs, version=version)
+
+    # ---- migration ------------------------------------------------------------------------
+
+    def export_slot(self, decode_state: DecodeState, slot: int) -> ExportedSlot:
+        """The full state of `slot` (KV, position, last token, sampler and stop settings,
+        version) as a one-row `SlotState`. The slot itself is left as it is; free it once the
+        request lives elsewhere."""
+        (slot,) = self._check_slots(slot)
+        return self._export_jit(decode_state, np.int32(slot))
+
+    def import_slot(
+        self, decode_state: DecodeState, slot: int, exported: ExportedSlot
+    ) -> DecodeState:
+        """Installs a slot exported by an engine of the same model (any mesh) into `slot`;
+        decoding continues exactly where it stopped, with no re-prefill."""
+        slots = self._check_slots(slot)
+        if len(slots) != 1 or exported.num_rows != 1:
+            raise ValueError("import_slot takes one slot and one exported row")
+        self._check_shape(exported, "exported slot")
+        host = jax.device_get((exported.prompt_length, exported.max_new_tokens, exported.positions))
+        needed = int(host[0][0]) + int(host[1][0]) - 1
+        if needed > self._cache_length:
+            raise ValueError(
+                f"exported request needs {needed} cache positions; this engine's slots hold "
+                f"{self._cache_length}"
+            )
+        self._check_free(decode_state, slots)
+        return self._insert_rows(decode_state, exported, slots)
+
+    # ---- settings -------------------------------------------------------------------------
+
+    def resolve_settings(self, request: Request) -> _RowSettings:
+        """The per-slot sampler and stop settings of `request` (defaults filled in, checked)."""
+        s = request.sampling if request.sampling is not None else self.sampling
+        if not isinstance(s, SamplingParams):
+            raise TypeError(f"request {request.id!r}: sampling must be SamplingParams")
+        max_new = (
+            self._max_decode_length if request.max_new_tokens is None else request.max_new_tokens
+        )
+        if int(max_new) != max_new or not 1 <= max_new <= self._max_decode_length:
+            raise ValueError(
+                f"request {request.id!r}: max_new_tokens={max_new} must be in "
+                f"[1, max_decode_length={self._max_decode_length}]"
+            )
+        if int(request.min_new_tokens) != request.min_new_tokens or request.min_new_tokens < 0:
+            raise ValueError(f"request {request.id!r}: min_new_tokens must be >= 0")
+        min_new = int(max_new) if request.ignore_eos else int(request.min_new_tokens)
+        eos = self.eos_ids if request.eos_ids is None else tuple(int(e) for e in request.eos_ids)
+        self._check_eos_ids(eos, f"request {request.id!r}")
+        if int(request.seed) != request.seed:
+            raise ValueError(f"request {request.id!r}: seed must be an integer")
+        return _RowSettings(
+            float(s.temperature),
+            int(s.top_k),
+            float(s.top_p),
+            int(request.seed) % 2**32,
+            int(max_new),
+            min_new,
+            eos,
+        )
+
+    def check_request(self, request: Request) -> None:
+        """Raises ValueError if `request` cannot run on this engine (see `prefill_requests`)."""
+        self._check_prompt(request)
+        self.resolve_settings(request)
+
+    # ---- host-side checks -----------------------------------------------------------------
+
+    def _check_prompt(self, request: Request) -> np.ndarray:
+        prompt = np.asarray(request.prompt_tokens)
+        name = f"request {request.id!r}"
+        if prompt.ndim != 1:
+            raise ValueError(f"{name}: prompt_tokens must be 1-D, got shape {prompt.shape}")
+        if prompt.size == 0:
+            raise ValueError(f"{name}: empty prompt; a prompt needs at least one token")
+        if prompt.size > self._max_prefill_length:
+            raise ValueError(
+                f"{name}: prompt of {prompt.size} tokens exceeds max_prefill_length="
+                f"{self._max_prefill_length}"
+            )
+        if not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError(f"{name}: prompt_tokens must be integers, got {prompt.dtype}")
+        bad = (prompt < 0) | (prompt >= self.config.vocab_size)
+        if bad.any():
+            raise ValueError(
+                f"{name}: token id {int(prompt[bad][0])} at position {int(np.argmax(bad))} is "
+                f"outside the vocabulary [0, {self.config.vocab_size})"
+            )
+        return prompt.astype(np.int32)
+
+    def _check_eos_ids(self, eos: tuple[int, ...], name: str) -> None:
+        if len(eos) > self._max_eos_ids:
+            raise ValueError(f"{name}: {len(eos)} eos_ids, more than max_eos_ids")
+        for e in eos:
+            if not 0 <= e < self.config.vocab_size:
+                raise ValueError(f"{name}: eos id {e} outside [0, {self.config.vocab_size})")
+
+    def _check_slots(self, slot: int | Sequence[int]) -> list[int]:
+        slots = [slot] if np.ndim(slot) == 0 else list(slot)
+        slots = [int(s) for s in slots]
+        for s in slots:
+            if not 0 <= s < self._slots:
+                raise ValueError(f"slot {s} outside [0, max_concurrent_decodes={self._slots})")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots must be distinct, got {slots}")
+        return slots
+
+    def _check_free(self, decode_state: DecodeState, slots: list[int]) -> None:
+        active = self.active_slots(decode_state)
+        busy = [s for s in slots if active[s]]
+        if busy:
+            raise ValueError(
+                f"slot(s) {busy} still hold a decoding request; free them with "
+                "engine.free_slot(decode_state, slot) before inserting"
+            )
+
+    def _check_shape(self, rows: SlotState, what: str) -> None:
+        c = self.config
+        layers, _, length, heads, dim = rows.cache.k.shape
+        if (layers, heads, dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
+            raise ValueError(f"{what} was made by a different model (cache {rows.cache.k.shape})")
+        if length > self._cache_length:
+            raise ValueError(f"{what} cache length {length} exceeds {self._cache_length}")
+        if rows.eos_ids.shape[1] != self._max_eos_ids:
+            raise ValueError(
+                f"{what} has room for {rows.eos_ids.shape[1]} eos ids, not "
+                f"this engine's max_eos_ids={self._max_eos_ids}"
+            )
+
+    def _settings_arrays(self, settings: list[_RowSettings]) -> dict[str, np.ndarray]:
+        eos = np.full((len(settings), self._max_eos_ids), -1, np.int32)
+        for i, s in enumerate(settings):
+            eos[i, : len(s.eos_ids)] = s.eos_ids
+        return dict(
+            temperature=np.asarray([s.temperature for s in settings], np.float32),
+            top_k=np.asarray([s.top_k for s in settings], np.int32),
+            top_p=np.asarray([s.top_p for s in settings], np.float32),
+            seed=np.asarray([s.seed for s in settings], np.uint32),
+            max_new_tokens=np.asarray([s.max_new_tokens for s in settings], np.int32),
+            min_new_tokens=np.asarray([s.min_new_tokens for s in settings], np.int32),
+            eos_ids=eos,
+        )
+
+    def _insert_rows(self, decode_state: DecodeState, rows: SlotState, slots: list[int]):
+        # Rows without a slot go to index max_concurrent_decodes, which the scatter drops.
+        index = np.full(rows.num_rows, self._slots, np.int32)
+        index[: len(slots)] = slots
+        # A no-op for rows already on this mesh; a cross-mesh copy for a migrated slot or a
+        # prefix computed by another engine.
+        rows = jax.device_put(rows, self._row_shardings)
+        return self._insert_jit(decode_state, rows, index)
+
+    # ---- shardings ------------------------------------------------------------------------
+
+    def _state_shardings(self, slots_axis: str | None) -> SlotState:
+        c = self.config
+        rules = {**self._rules, "slots": slots_axis}
+        rows = self._slots if slots_axis else 1
+        spec = sharding_lib.partition_spec(
+            (c.num_layers, rows, self._cache_length, c.num_kv_heads, c.head_dim),
+            (None, "slots", None, "kv_heads", None),
+            self._mesh,
+            rules,
+        )
+        kv = NamedSharding(self._mesh, spec)
+        rep = NamedSharding(self._mesh, PartitionSpec())
+        fields = {f: rep for f in SlotState._fields if f != "cache"}
+        return SlotState(cache=KVCache(kv, kv), **fields)
+
+    # ---- jitted implementations -----------------------------------------------------------
+
+    def _init_impl(self) -> SlotState:
+        n = self._slots
+        zeros = jnp.zeros(n, jnp.int32)
+        return SlotState(
+            cache=KVCache.zeros(self.config, n, self._cache_length, self._cache_dtype),
+            tokens=zeros,
+            positions=zeros,
+            generated=zeros,
+            prompt_length=zeros,
+            active=jnp.zeros(n, bool),
+            finish_reason=zeros,
+            version=zeros,
+            temperature=jnp.zeros(n, jnp.float32),
+            top_k=zeros,
+            top_p=jnp.ones(n, jnp.float32),
+            seed=jnp.zeros(n, jnp.uint32),
+            max_new_tokens=zeros,
+            min_new_tokens=zeros,
+            eos_ids=jnp.full((n, self._max_eos_ids), -1, jnp.int32),
+        )
+
+    def _prefill_logits(self, state, tokens, lengths):
+        """Runs the prompt through the model into a fresh cache; logits at each last token only.
+
+        Mirrors `Transformer.forward` but applies the LM head to one position per row instead of
+        all of them (a [rows, bucket, vocab] float32 tensor is gigabytes at real vocab sizes).
+        tests/engine check it against the model's own full forward.
+        """
+        model = nnx.merge(self._fn.graphdef, state)
+        rows, length = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(length), (rows, length))
+        cache = KVCache.zeros(self.config, rows, length, self._cache_dtype)
+        x = jnp.take(model.embed_tokens[...], tokens, axis=0).astype(model.dtype)
+        new_k, new_v = [], []
+        for i, layer in enumerate(model.layers):
+            x, (k, v), _ = layer(x, positions, (cache.k[i], cache.v[i]))
+            new_k.append(k)
+            new_v.append(v)
+        last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [rows, 1, hidden]
+        last = model.norm(last).astype(jnp.float32)
+        head = model.embed_tokens[...].T if model.lm_head is None else model.lm_head[...]
+        logits = (last @ head.astype(jnp.float32))[:, 0]
+        return logits, KVCache(jnp.stack(new_k), jnp.stack(new_v))
+
+    def _prefill_impl(self, state, tokens, lengths, real, columns, version):
+        logits, cache = self._prefill_logits(state, tokens, lengths)
+        rows = tokens.shape[0]
+        zeros = jnp.zeros(rows, jnp.int32)
+        keys = sampling_lib.token_keys(columns["seed"], zeros)
+        token, log_prob = sampling_lib.sample(
+            logits, columns["temperature"], columns["top_k"], columns["top_p"], keys
+        )
+        generated = jnp.ones(rows, jnp.int32)
+        finish = _finish_reason(
+            token,
+            generated,
+            columns["max_new_tokens"],
+            columns["min_new_tokens"],
+            columns["eos_ids"],
+        )
+        prefix = SlotState(
+            cache=cache,
+            tokens=token,
+            positions=lengths,
+            generated=generated,
+            prompt_length=lengths,
+            active=real & (finish == FinishReason.NONE),
+            finish_reason=finish,
+            version=jnp.full(rows, version, jnp.int32),
+            **columns,
+        )
+        return prefix, *_pack(token, real, generated, finish, prefix.version, log_prob)
+
+    def _generate_impl(self, state, ds: SlotState):
+        out = self._fn.forward(state, ds.tokens[:, None], ds.positions[:, None], ds.cache)
+        keys = sampling_lib.token_keys(ds.seed, ds.generated)
+        token, log_prob = sampling_lib.sample(
+            out.logits[:, 0], ds.temperature, ds.top_k, ds.top_p, keys
+        )
+        step = ds.active
+        generated = ds.generated + step.astype(jnp.int32)
+        finish = jnp.where(
+            step,
+            _finish_reason(token, generated, ds.max_new_tokens, ds.min_new_tokens, ds.eos_ids),
+            ds.finish_reason,
+        )
+        token = jnp.where(step, token, ds.tokens)
+        # Idle slots also wrote a K/V entry at their position; it lies past everything their
+        # (finished) request holds, so nothing can ever attend to it.
+        new = ds._replace(
+            cache=out.cache,
+            tokens=token,
+            positions=ds.positions + step.astype(jnp.int32),
+            generated=generated,
+            active=step & (finish == FinishReason.NONE),
+            finish_reason=finish,
+        )
+        log_prob = jnp.where(step, log_prob, 0.0)
+        return new, *_pack(token, step, generated, finish, ds.version, log_prob)
+
+    def _insert_impl(self, ds: SlotState, rows: SlotState, index):
+        length = rows.cache.k.shape[2]
+
+        def put_cache(dst, src):
+            return dst.at[:, index, :length].set(src.astype(dst.dtype), mode="drop")
+
+        put = lambda dst, src: dst.at[index].set(src.astype(dst.dtype), mode="drop")
+        fields = {f: put(getattr(ds, f), getattr(rows, f)) for f in SlotState._fields[1:]}
+        cache = KVCache(put_cache(ds.cache.k, rows.cache.k), put_cache(ds.cache.v, rows.cache.v))
+        return SlotState(cache=cache, **fields)
+
+    def _export_impl(self, ds: SlotState, slot):
+        take = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=axis)
+        fields = {f: take(getattr(ds, f), 0) for f in SlotState._fields[1:]}
+        return SlotState(cache=KVCache(take(ds.cache.k, 1), take(ds.cache.v, 1)), **fields)
+
+    def _free_impl(self, ds: SlotState, mask):
+        stopping = ds.active & mask
+        return ds._replace(
+            active=ds.active & ~mask,
+            finish_reason=jnp.where(stopping, FinishReason.ABORTED, ds.finish_reason),
+        )
+
+
+def _finish_reason(token, generated, max_new_tokens, min_new_tokens, eos_ids):
+    """FinishReason after sampling `token` as the request's `generated`-th token."""
+    is_eos = jnp.any(token[:, None] == eos_ids, axis=-1) & (generated > min_new_tokens)
+    return jnp.where(
+        is_eos,
+        FinishReason.EOS,
+        jnp.where(generated >= max_new_tokens, FinishReason.LENGTH, FinishReason.NONE),
+    ).astype(jnp.int32)
+
+
+def _pack(token, valid, length, finish, version, log_prob):
+    data = jnp.stack(
+        [token, valid.astype(jnp.int32), length, finish, version.astype(jnp.int32)], axis=-1
+    ).astype(jnp.int32)
+    return data, log_prob[:, None].astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# A driver for callers that just want completions
+# --------------------------------------------------------------------------------------------
+
+
+def generate_all(
+    engine: Engine,
+    params: PolicyParams,
+    requests: Sequence[Request],
+    *,
+    detokenize: Callable[[Sequence[int]], str] | None = None,
+) -> list[Completion]:
+    """Runs `requests` to completion with continuous batching; completions in request order.
+
+    Free slots are refilled (prompts of one length bucket prefilled together) while the other
+    slots keep decoding. Every request is checked before any work starts.
+    """
+    _, version = _unwrap(params)
+    for r in requests:
+        engine.check_request(r)
+        if r.stop_strings and detokenize is None:
+            raise ValueError(f"request {r.id!r} has stop_strings but no detokenize callable")
+    tokens: list[list[int]] = [[] for _ in requests]
+    logprobs: list[list[float]] = [[] for _ in requests]
+    results: list[Completion | None] = [None] * len(requests)
+    pending = collections.deque(range(len(requests)))
+    owner: list[int | None] = [None] * engine.max_concurrent_decodes
+    decode_state = engine.init_decode_state()
+
+    def take(i: int, token: int, logprob: float, finish: int) -> bool:
+        """Records one token of request i; True when the request is done."""
+        tokens[i].append(token)
+        logprobs[i].append(logprob)
+        reason = FinishReason(finish)
+        if reason == FinishReason.NONE and stop_reached(requests[i], tokens[i], detokenize):
+            reason = FinishReason.STOP
+        if reason == FinishReason.NONE:
+            return False
+        results[i] = Completion(
+            id=requests[i].id,
+            prompt_tokens=np.asarray(requests[i].prompt_tokens, np.int32),
+            tokens=np.asarray(tokens[i], np.int32),
+            logprobs=np.asarray(logprobs[i], np.float32),
+            version=version,
+            finish_reason=reason.label,
+        )
+        return True
+
+    while pending or any(o is not None for o in owner):
+        free = [s for s, o in enumerate(owner) if o is None]
+        stopped: list[int] = []
+        if pending and free:
+            batch = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+            by_bucket: dict[int, list[int]] = collections.defaultdict(list)
+            for i in batch:
+                by_bucket[engine.bucket_for(len(requests[i].prompt_tokens))].append(i)
+            for group in by_bucket.values():
+                slots, free = free[: len(group)], free[len(group) :]
+                prefix, first = engine.prefill_requests(params, [requests[i] for i in group])
+                decode_state = engine.insert(prefix, decode_state, slots)
+                first = first.convert_to_numpy()
+                for row, (slot, i) in enumerate(zip(slots, group, strict=True)):
+                    done = take(
+                        i,
+                        int(first.tokens[row]),
+                        float(first.log_probs[row, 0]),
+                        int(first.finish_reasons[row]),
+                    )
+                    if done:
+                        if first.finish_reasons[row] == FinishReason.NONE:
+                            stopped.append(slot)
+                    else:
+                        owner[slot] = i
+        if stopped:
+            decode_state = engine.free_slot(decode_state, stopped)
+            stopped = []
+        if not any(o is not None for o in owner):
+            continue
+        decode_state, result = engine.generate(params, decode_state)
+        result = result.convert_to_numpy()
+        for slot, i in enumerate(owner):
+            if i is None or not result.valid[slot]:
+                continue
+            finish = int(result.finish_reasons[slot])
+            done = take(i, int(result.tokens[slot]), float(result.log_probs[slot, 0]), finish)
+            if done:
+                owner[slot] = None
+                if finish == FinishReason.NONE:
+                    stopped.append(slot)
+        if stopped:
+            decode_state = engine.free_slot(decode_state, stopped)
+    return results  # type: ignore[return-value]

@@ -1,0 +1,111 @@
+"""Token sampling with behaviour log-probs: greedy, temperature, top-k, top-p, per-request seed.
+
+Everything here is per row, so one jitted call serves slots that each carry their own settings.
+The sampling distribution of a row is built in the usual order (temperature, then top-k, then
+top-p over what top-k kept) and the returned log-prob is log-softmax of exactly that
+distribution at the sampled token: the behaviour log-prob the trainer's importance ratio needs.
+
+The PRNG key of a token is a pure function of (request seed, token index), so a request yields
+the same tokens whichever slot, batch or engine it runs in, including after a migration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns logits into tokens.
+
+    temperature: 0 means greedy (argmax); its log-prob is then taken under the unscaled logits,
+      because the point mass greedy decoding samples from would make every log-prob 0.
+    top_k: keep the k most likely tokens; 0 turns it off.
+    top_p: keep the smallest most-likely set whose probability reaches p (nucleus); 1 turns it
+      off.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 is off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 is off), got {self.top_p}")
+
+    @classmethod
+    def greedy(cls) -> SamplingParams:
+        return cls(temperature=0.0)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def token_keys(seeds: jax.Array, indices: jax.Array) -> jax.Array:
+    """One PRNG key per row: fold_in(key(seed), index), index = tokens generated before it."""
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, indices)
+
+
+def filter_logits(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> jax.Array:
+    """The logits of each row's sampling distribution: scaled, and -inf outside what it keeps.
+
+    logits [B, V] float32; temperature, top_p [B] float32; top_k [B] int32. A row with
+    temperature 0 is scaled by 1 (greedy rows use the argmax, see `sample`).
+    """
+    scale = jnp.where(temperature > 0, temperature, 1.0)
+    scaled = logits / scale[:, None]
+    vocab = scaled.shape[-1]
+
+    def truncate(scaled: jax.Array) -> jax.Array:
+        ranked = -jnp.sort(-scaled, axis=-1)  # descending
+        rank = jnp.arange(vocab)[None, :]
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
+        in_top_k = rank < k
+        probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # The first token is always kept; top_p == 1 keeps everything top-k kept (the running
+        # sum can round to 1.0 before the tail, which must not cut the tail off).
+        keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+        keep = keep.at[:, 0].set(True)
+        kept = jnp.sum(keep, axis=-1)
+        threshold = jnp.take_along_axis(ranked, (kept - 1)[:, None], axis=-1)
+        return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+    # The sort costs O(V log V) per row; skip it when no row truncates.
+    truncating = jnp.any((top_k > 0) | (top_p < 1.0))
+    return jax.lax.cond(truncating, truncate, lambda s: s, scaled)
+
+
+def sample(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    keys: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Samples one token per row; returns (tokens int32 [B], behaviour log-probs float32 [B])."""
+    logits = logits.astype(jnp.float32)
+    filtered = filter_logits(logits, temperature, top_k, top_p)
+    sampled = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    sampled_logprob = _take(jax.nn.log_softmax(filtered, axis=-1), sampled)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_logprob = _take(jax.nn.log_softmax(logits, axis=-1), greedy)
+    is_greedy = temperature <= 0
+    return (
+        jnp.where(is_greedy, greedy, sampled),
+        jnp.where(is_greedy, greedy_logprob, sampled_logprob),
+    )
+
+
+def _take(values: jax.Array, index: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(values, index[:, None], axis=-1)[:, 0]

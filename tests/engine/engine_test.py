@@ -1,0 +1,485 @@
+"""The engine against independent references: full forwards of the model, numpy sampling math."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dora_jax.engine import (
+    Engine,
+    FinishReason,
+    PolicyParams,
+    Request,
+    SamplingParams,
+    generate_all,
+    stop_reached,
+)
+from dora_jax.models import Functional, ModelConfig, create
+
+VOCAB = 50
+DENSE = ModelConfig(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    qk_norm=True,
+)
+MOE = ModelConfig(
+    architecture="Qwen3MoeForCausalLM",
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    qk_norm=True,
+    num_experts=5,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+)
+WEIGHT_SCALE = 8.0
+
+# The tests share module-scoped engines (and their compilations); one xdist worker runs them all
+# rather than every worker compiling its own copies (`make test` uses --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("engine_test")
+
+
+def _model(config, seed=1):
+    model = create(config, seed=seed)
+    fn, state = Functional.of(model)
+    return model, fn, state
+
+
+def _engine(model, **kw):
+    args = dict(max_concurrent_decodes=4, max_prefill_length=16, max_decode_length=10)
+    args.update(kw)
+    return Engine(model, **args)
+
+
+def _prompts(rng, lengths):
+    return [rng.randint(0, VOCAB, n).tolist() for n in lengths]
+
+
+class Setup:
+    """A model, its functional form and params, and a 4-slot greedy-by-default engine."""
+
+    def __init__(self, config, seed, scale=1.0):
+        self.model, self.fn, self.state = _model(config, seed)
+        if scale != 1.0:
+            self.state = jax.tree.map(lambda x: x * scale, self.state)
+            nnx.update(self.model, self.state)
+        self.engine = _engine(self.model, sampling=SamplingParams.greedy())
+        self.params = self.engine.load_params()
+
+
+# Module-scoped so tests share the engines' compilations.
+@pytest.fixture(scope="module")
+def dense():
+    return Setup(DENSE, seed=1)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return Setup(MOE, seed=1)
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    """Random weights at init scale give near-uniform logits; scaled-up weights give the peaked
+    distributions that make top-k / top-p cut something real."""
+    return Setup(DENSE, seed=4, scale=WEIGHT_SCALE)
+
+
+_REFERENCE_LENGTH = 32
+
+
+def _full_logits(fn, state, seq):
+    """Logits of a full (uncached) forward over `seq`, [len(seq), vocab]. Right-padding to one
+    length keeps it to one compilation; causal attention makes the padding invisible."""
+    padded = np.zeros((1, _REFERENCE_LENGTH), np.int32)
+    padded[0, : len(seq)] = seq
+    return np.asarray(_jitted_logits(fn)(state, jnp.asarray(padded)))[0, : len(seq)]
+
+
+_JITTED = {}
+
+
+def _jitted_logits(fn):
+    if fn not in _JITTED:
+        _JITTED[fn] = jax.jit(fn.logits)
+    return _JITTED[fn]
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x[np.isfinite(x)].max()
+    return x - (m + np.log(np.sum(np.exp(x[np.isfinite(x)] - m))))
+
+
+def _reference_logprobs(logits, sampling: SamplingParams):
+    """float64 numpy: log-probs of the distribution `sampling` draws from (-inf: cut)."""
+    z = np.asarray(logits, np.float64) / sampling.temperature
+    order = np.argsort(-z, kind="stable")
+    k = sampling.top_k or len(z)
+    top = order[:k]
+    probs = np.exp(_log_softmax(z[top]))
+    kept, mass = [], 0.0
+    for index, p in zip(top, probs, strict=True):
+        if sampling.top_p < 1 and kept and mass >= sampling.top_p:
+            break
+        kept.append(index)
+        mass += p
+    masked = np.full_like(z, -np.inf)
+    masked[kept] = z[kept]
+    return _log_softmax(masked)
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy and log-probs against full forwards
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setup", ["dense", "moe"])
+def test_greedy_equals_repeated_argmax_of_full_forward(setup, request):
+    s = request.getfixturevalue(setup)
+    rng = np.random.RandomState(0)
+    prompts = _prompts(rng, [3, 9, 1, 16, 5, 2])  # 6 requests through 4 slots: refills happen
+    requests = [
+        Request(prompt_tokens=p, max_new_tokens=7, ignore_eos=True, id=i)
+        for i, p in enumerate(prompts)
+    ]
+    completions = generate_all(s.engine, s.params, requests)
+    for prompt, completion in zip(prompts, completions, strict=True):
+        seq = list(prompt)
+        want_logprobs = []
+        for _ in range(7):
+            logits = _full_logits(s.fn, s.state, seq)[-1]
+            seq.append(int(np.argmax(logits)))
+            want_logprobs.append(_log_softmax(logits)[seq[-1]])
+        assert completion.tokens.tolist() == seq[len(prompt) :]
+        # Greedy rows report the log-prob under the unscaled distribution.
+        np.testing.assert_allclose(completion.logprobs, want_logprobs, atol=1e-4)
+        assert completion.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=4),
+        SamplingParams(temperature=0.9, top_p=0.6),
+        SamplingParams(temperature=1.0, top_k=6, top_p=0.8),
+    ],
+    ids=["temperature", "top_k", "top_p", "top_k_top_p"],
+)
+def test_logprobs_equal_teacher_forced_forward(peaked, sampling):
+    rng = np.random.RandomState(1)
+    prompts = _prompts(rng, [4, 11, 2, 7, 13, 6])
+    requests = [
+        Request(prompt_tokens=p, sampling=sampling, max_new_tokens=10, ignore_eos=True, seed=i)
+        for i, p in enumerate(prompts)
+    ]
+    completions = generate_all(peaked.engine, peaked.params, requests)
+    cut_something = False
+    for prompt, completion in zip(prompts, completions, strict=True):
+        logits = _full_logits(peaked.fn, peaked.state, prompt + completion.tokens.tolist())
+        n = len(prompt)
+        for i, token in enumerate(completion.tokens):
+            ref = _reference_logprobs(logits[n - 1 + i], sampling)
+            assert np.isfinite(ref[token]), "sampled a token outside the kept set"
+            assert abs(completion.logprobs[i] - ref[token]) <= 1e-4
+            cut_something |= not np.isfinite(ref).all()
+    if sampling.top_k or sampling.top_p < 1:
+        assert cut_something, "the test model never truncated anything"
+
+
+def test_sampled_tokens_follow_the_seed(dense):
+    engine, params = dense.engine, dense.params
+    request = Request(
+        prompt_tokens=[3, 1, 4, 1, 5],
+        sampling=SamplingParams(temperature=1.0),
+        max_new_tokens=10,
+        ignore_eos=True,
+        seed=7,
+    )
+    (a,) = generate_all(engine, params, [request])
+    (b,) = generate_all(engine, params, [request])
+    (c,) = generate_all(engine, params, [dataclasses.replace(request, seed=8)])
+    assert a.tokens.tolist() == b.tokens.tolist()
+    assert a.tokens.tolist() != c.tokens.tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch / slot independence
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_slot(engine, params, ds, slot, steps):
+    tokens, logprobs = [], []
+    for _ in range(steps):
+        ds, result = engine.generate(params, ds)
+        r = result.convert_to_numpy().get_result_at_slot(slot)
+        assert r.valid[0, 0]
+        tokens.append(int(r.tokens[0, 0]))
+        logprobs.append(float(r.log_probs[0, 0]))
+    return ds, tokens, logprobs
+
+
+@pytest.mark.parametrize("setup", ["dense", "moe"])
+def test_request_independent_of_batch_and_slot(setup, request):
+    s = request.getfixturevalue(setup)
+    engine, params = s.engine, s.params
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    target = Request(
+        prompt_tokens=[7, 8, 9, 10, 11],
+        sampling=sampling,
+        max_new_tokens=10,
+        ignore_eos=True,
+        seed=5,
+    )
+    rng = np.random.RandomState(3)
+    others = [
+        Request(prompt_tokens=p, sampling=sampling, max_new_tokens=10, ignore_eos=True, seed=50 + i)
+        for i, p in enumerate(_prompts(rng, [6, 2, 8]))
+    ]
+
+    # Alone, in slot 0.
+    prefix, first = engine.prefill_requests(params, [target])
+    ds = engine.insert(prefix, engine.init_decode_state(), 0)
+    ds, alone, alone_lp = _run_slot(engine, params, ds, 0, 8)
+    alone = [int(first.tokens[0])] + alone
+    alone_lp = [float(first.log_probs[0, 0])] + alone_lp
+
+    # With other requests that started earlier, prefilled in one batch, in slot 2.
+    ds = engine.init_decode_state()
+    prefix, _ = engine.prefill_requests(params, others[:2])
+    ds = engine.insert(prefix, ds, [3, 0])
+    ds, _ = engine.generate(params, ds)
+    prefix, first = engine.prefill_requests(params, [others[2], target])
+    ds = engine.insert(prefix, ds, [1, 2])
+    ds, shared, shared_lp = _run_slot(engine, params, ds, 2, 8)
+    shared = [int(np.asarray(first.tokens)[1])] + shared
+    shared_lp = [float(np.asarray(first.log_probs)[1, 0])] + shared_lp
+
+    assert shared == alone
+    np.testing.assert_allclose(shared_lp, alone_lp, atol=1e-5)
+
+
+def test_generate_all_matches_one_request_at_a_time(dense):
+    engine, params = dense.engine, dense.params
+    rng = np.random.RandomState(4)
+    sampling = SamplingParams(temperature=0.8)
+    lengths = [9, 2, 6, 10, 4, 3, 7]
+    requests = [
+        Request(p, sampling, max_new_tokens=n, ignore_eos=True, seed=i, id=f"r{i}")
+        for i, (p, n) in enumerate(zip(_prompts(rng, [5, 3, 12, 1, 8, 2, 4]), lengths, strict=True))
+    ]
+    together = generate_all(engine, params, requests)
+    for request, completion in zip(requests, together, strict=True):
+        (alone,) = generate_all(engine, params, [request])
+        assert completion.id == request.id
+        assert len(completion) == request.max_new_tokens
+        assert completion.tokens.tolist() == alone.tokens.tolist()
+        np.testing.assert_allclose(completion.logprobs, alone.logprobs, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping
+# ---------------------------------------------------------------------------------------------
+
+
+def test_stop_conditions(dense):
+    engine, params = dense.engine, dense.params
+    prompt = [5, 6, 7]
+    (free_run,) = generate_all(
+        engine, params, [Request(prompt_tokens=prompt, max_new_tokens=10, ignore_eos=True)]
+    )
+    tokens = free_run.tokens.tolist()
+    eos = tokens[3]
+    first_eos = tokens.index(eos)
+
+    def run(**kw):
+        (c,) = generate_all(engine, params, [Request(prompt_tokens=prompt, **kw)], **extra)
+        return c
+
+    extra = {}
+    c = run(eos_ids=[eos])
+    assert (c.tokens.tolist(), c.finish_reason) == (tokens[: first_eos + 1], "eos")
+    c = run(eos_ids=[eos], ignore_eos=True)
+    assert (c.tokens.tolist(), c.finish_reason) == (tokens, "length")
+    c = run(eos_ids=[eos], min_new_tokens=first_eos + 1)
+    later = tokens.index(eos, first_eos + 1) if eos in tokens[first_eos + 1 :] else None
+    if later is None:
+        assert c.finish_reason == "length"
+    else:
+        assert (c.tokens.tolist(), c.finish_reason) == (tokens[: later + 1], "eos")
+    c = run(max_new_tokens=1)
+    assert (c.tokens.tolist(), c.finish_reason) == (tokens[:1], "length")
+    c = run(eos_ids=[tokens[0]])  # finished by the token prefill samples
+    assert (c.tokens.tolist(), c.finish_reason) == (tokens[:1], "eos")
+    c = run(stop_sequences=[tokens[4:6]])
+    assert (c.tokens.tolist(), c.finish_reason) == (tokens[:6], "stop")
+    extra = {"detokenize": lambda ids: "".join(chr(ord("a") + i % 26) for i in ids)}
+    stop = extra["detokenize"](tokens[2:5])
+    c = run(stop_strings=[stop])
+    assert c.finish_reason == "stop" and len(c) <= 5
+    assert stop in extra["detokenize"](c.tokens) and stop not in extra["detokenize"](c.tokens[:-1])
+
+    # Engine-level default EOS ids apply to requests that carry none.
+    eos_engine = _engine(dense.model, sampling=SamplingParams.greedy(), eos_ids=[eos])
+    (c,) = generate_all(eos_engine, eos_engine.load_params(), [Request(prompt_tokens=prompt)])
+    assert (c.tokens.tolist(), c.finish_reason) == (tokens[: first_eos + 1], "eos")
+
+
+def test_stop_reached():
+    r = Request(prompt_tokens=[1], stop_sequences=[[3, 4]], stop_strings=["xy"])
+    detok = lambda ids: "".join("xyz"[i % 3] for i in ids)
+    assert stop_reached(r, [1, 3, 4], detok)
+    assert not stop_reached(r, [3, 1], lambda ids: "zz")
+    assert stop_reached(r, [0, 1], detok)  # "xy"
+    with pytest.raises(ValueError, match="detokenize"):
+        stop_reached(r, [5], None)
+
+
+def test_free_slot_aborts_and_allows_refill(dense):
+    engine, params = dense.engine, dense.params
+    request = Request(prompt_tokens=[1, 2, 3], max_new_tokens=10)
+    prefix, _ = engine.prefill_requests(params, [request])
+    ds = engine.insert(prefix, engine.init_decode_state(), 1)
+    ds, _ = engine.generate(params, ds)
+    assert engine.active_slots(ds).tolist() == [False, True, False, False]
+    ds = engine.free_slot(ds, 1)
+    assert not engine.active_slots(ds).any()
+    ds, result = engine.generate(params, ds)
+    r = result.convert_to_numpy().get_result_at_slot(1)
+    assert r.valid[0, 0] == 0 and r.finish_reason[0] == FinishReason.ABORTED
+    prefix, _ = engine.prefill_requests(params, [request])
+    ds = engine.insert(prefix, ds, 1)  # free again: no error
+    assert engine.active_slots(ds)[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Versions, JetStream-shaped results, bounded compilation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_versions_tag_prefixes_results_and_completions(dense):
+    engine, state = dense.engine, dense.state
+    params = engine.load_params(version=5)
+    assert isinstance(params, PolicyParams) and params.version == 5
+    later = engine.shard_params(state, version=6)
+    prefix, first = engine.prefill(
+        params=params, padded_tokens=np.asarray([4, 5, 6, 0, 0]), true_length=3
+    )
+    assert first.version == 5 and first.get_result_at_slot(0).version[0] == 5
+    ds = engine.insert(prefix, engine.init_decode_state(), 2)
+    ds, result = engine.generate(later, ds)
+    r = result.convert_to_numpy().get_result_at_slot(2)
+    # The slot remembers the version that prefilled it; the result, the params that sampled.
+    assert (r.version[0], result.version) == (5, 6)
+    assert r.tokens.shape == (1, 1) and r.valid.shape == (1, 1) and r.lengths.tolist() == [2]
+    (c,) = generate_all(engine, params, [Request(prompt_tokens=[1, 2], max_new_tokens=3)])
+    assert c.version == 5
+    with pytest.raises(TypeError, match="PolicyParams"):
+        engine.generate(state, engine.init_decode_state())
+
+
+def test_prefill_accepts_jetstream_padding_and_batches(dense):
+    engine, params = dense.engine, dense.params
+    prompts = [[4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    padded = np.zeros((2, 16), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, : len(p)] = p
+    _, batched = engine.prefill(params=params, padded_tokens=padded, true_length=[3, 6])
+    batched = batched.convert_to_numpy()
+    for i, p in enumerate(prompts):
+        _, single = engine.prefill(params=params, padded_tokens=np.asarray(p), true_length=len(p))
+        assert int(np.asarray(single.tokens)[0]) == int(batched.tokens[i])
+        np.testing.assert_allclose(np.asarray(single.log_probs)[0], batched.log_probs[i], atol=1e-5)
+    assert batched.valid[:2].all()
+    with pytest.raises(NotImplementedError):
+        engine.prefill(params=params, existing_prefix=object(), padded_tokens=padded, true_length=3)
+
+
+def test_prefill_compiles_once_per_bucket_and_row_count(dense):
+    engine = _engine(dense.model, max_prefill_length=32, sampling=SamplingParams.greedy())
+    assert engine.prefill_buckets == (8, 16, 32)
+    params = engine.load_params()
+    rng = np.random.RandomState(5)
+    for n in (1, 7, 8, 9, 16, 17, 31, 32):
+        for rows in (1, 2, 3):
+            requests = [Request(prompt_tokens=p) for p in _prompts(rng, [n] * rows)]
+            engine.prefill_requests(params, requests)
+    # 3 length buckets x 3 row counts (1, 2, 4).
+    assert engine._prefill_jit._cache_size() == 9
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bad_input_raises_and_leaves_other_slots_intact(dense):
+    engine, params = dense.engine, dense.params
+    sampling = SamplingParams(temperature=1.0)
+    requests = [
+        Request([1, 2, 3], sampling, max_new_tokens=10, ignore_eos=True, seed=1),
+        Request([9, 8, 7, 6], sampling, max_new_tokens=10, ignore_eos=True, seed=2),
+    ]
+
+    def run(with_errors: bool):
+        prefix, _ = engine.prefill_requests(params, requests)
+        ds = engine.insert(prefix, engine.init_decode_state(), [0, 1])
+        out = []
+        for step in range(8):
+            if with_errors and step == 3:
+                bad = [
+                    ([], "empty prompt"),
+                    (list(range(17)), "exceeds max_prefill_length"),
+                    ([1, VOCAB, 2], "outside the vocabulary"),
+                    ([1, -1], "outside the vocabulary"),
+                ]
+                for prompt, message in bad:
+                    with pytest.raises(ValueError, match=message):
+                        engine.prefill_requests(params, [Request(prompt_tokens=prompt)])
+                with pytest.raises(ValueError, match="max_new_tokens"):
+                    engine.prefill_requests(params, [Request(prompt_tokens=[1], max_new_tokens=11)])
+                good, _ = engine.prefill_requests(params, [Request(prompt_tokens=[4, 4])])
+                with pytest.raises(ValueError, match=r"slot\(s\) \[1\] still hold"):
+                    engine.insert(good, ds, 1)
+                with pytest.raises(ValueError, match="outside"):
+                    engine.insert(good, ds, 4)
+                with pytest.raises(ValueError, match="outside"):
+                    engine.export_slot(ds, -1)
+                ds = engine.insert(good, ds, 2)  # a free slot is fine
+            ds, result = engine.generate(params, ds)
+            result = result.convert_to_numpy()
+            out.append((result.tokens[:2].tolist(), result.log_probs[:2, 0].tolist()))
+        return out
+
+    assert run(with_errors=True) == run(with_errors=False)
+
+
+def test_bad_configuration_and_sampling_values(dense):
+    model = dense.model
+    with pytest.raises(ValueError, match="max_concurrent_decodes"):
+        _engine(model, max_concurrent_decodes=0)
+    with pytest.raises(ValueError, match="prefill_buckets"):
+        _engine(model, prefill_buckets=(8, 12))
+    with pytest.raises(ValueError, match="eos id"):
+        _engine(model, eos_ids=[VOCAB])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-2)
