@@ -79,11 +79,20 @@ def precompile(engines: list[Engine], trainer: Trainer, config: ml_collections.C
         for bucket in engine.prefill_buckets:
             tokens = np.ones(bucket, np.int32)
             request = EngineRequest(
-                prompt_tokens=tokens, max_new_tokens=1, ignore_eos=True, seed=0, id=(-1, 0)
+                prompt_tokens=tokens, max_new_tokens=2, ignore_eos=True, seed=0, id=(-1, 0)
             )
-            engine.prefill(
+            prefix, _ = engine.prefill(
                 params=params, padded_tokens=tokens, true_length=bucket, requests=request
             )
+        # The slot moves a run may first need mid-measurement: insert, decode, a migration
+        # (export + import), free.
+        state = engine.insert(prefix, engine.init_decode_state(), 0)
+        state, result = engine.generate(params, state)
+        result.convert_to_numpy()
+        exported = engine.export_slot(state, 0)
+        state = engine.free_slot(state, 0)
+        state = engine.import_slot(state, 1, exported)
+        jax.block_until_ready(engine.free_slot(state, 1))
     r, w = config.rollout, config.workload
     longest = w.prompt_length + w.max_length
     for bucket in config.train.length_buckets:

@@ -334,8 +334,8 @@ class Rollout:
         wait0 = time.perf_counter()
         train_metrics, t0, t1 = future.result()
         waited = time.perf_counter() - wait0
-        if not any(x.active() for x in self.healthy()):
-            self.telemetry.idle_wait(waited)
+        # No instance decodes while the controller waits, busy slots or not: a bubble for all.
+        self.telemetry.idle_wait(waited)
         self.trace.span(
             TRAINER_TRACK,
             f"train iteration {self.selected - 1}",
