@@ -30,6 +30,8 @@ CONFIG = ModelConfig(
     qk_norm=True,
 )
 BOS = 1
+# Generous: a loaded CI machine can take a while to compile; a normal run takes seconds.
+TIMEOUT_S = 300
 
 
 def test_tree_map_alias_present():
@@ -63,21 +65,26 @@ def test_orchestrator_completes_one_request():
         generate_params=[params],
         interleaved_mode=True,
     )
-    try:
-        client = orchestrator.LLMOrchestrator(driver=driver)
-        request = jetstream_pb2.DecodeRequest(
-            token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=prompt),
-            max_tokens=max_tokens,
-        )
+    client = orchestrator.LLMOrchestrator(driver=driver)
+    request = jetstream_pb2.DecodeRequest(
+        token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=prompt),
+        max_tokens=max_tokens,
+    )
 
-        async def decode():
-            got = []
-            async for response in client.Decode(request):
-                got.extend(response.stream_content.samples[0].token_ids)
-            return got
+    async def decode():
+        got = []
+        async for response in client.Decode(request):
+            got.extend(response.stream_content.samples[0].token_ids)
+        return got
 
-        start = time.time()
-        got = asyncio.run(asyncio.wait_for(decode(), timeout=60))
-    finally:
-        driver.stop()
+    async def run():
+        try:
+            return await asyncio.wait_for(decode(), timeout=TIMEOUT_S)
+        finally:
+            # Stop the driver while the event loop still runs: a driver thread that posts to
+            # a closed loop raises, and JetStream's JetThread then SIGKILLs the process.
+            driver.stop()
+
+    start = time.time()
+    got = asyncio.run(run())
     assert got == want.tokens.tolist(), (got, want.tokens, time.time() - start)
