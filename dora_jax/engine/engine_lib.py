@@ -731,27 +731,12 @@ class Engine:
         )
 
     def _prefill_logits(self, state, tokens, lengths):
-        """Runs the prompt through the model into a fresh cache; logits at each last token only.
-
-        Mirrors `Transformer.forward` but applies the LM head to one position per row instead of
-        all of them (a [rows, bucket, vocab] float32 tensor is gigabytes at real vocab sizes).
-        tests/engine check it against the model's own full forward.
-        """
-        model = nnx.merge(self._fn.graphdef, state)
+        """Runs the prompt through the model into a fresh cache; logits at each last token."""
         rows, length = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(length), (rows, length))
         cache = KVCache.zeros(self.config, rows, length, self._cache_dtype)
-        x = jnp.take(model.embed_tokens[...], tokens, axis=0).astype(model.dtype)
-        new_k, new_v = [], []
-        for i, layer in enumerate(model.layers):
-            x, (k, v), _ = layer(x, positions, (cache.k[i], cache.v[i]))
-            new_k.append(k)
-            new_v.append(v)
-        last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [rows, 1, hidden]
-        last = model.norm(last).astype(jnp.float32)
-        head = model.embed_tokens[...].T if model.lm_head is None else model.lm_head[...]
-        logits = (last @ head.astype(jnp.float32))[:, 0]
-        return logits, KVCache(jnp.stack(new_k), jnp.stack(new_v))
+        out = self._fn.forward(state, tokens, positions, cache, logits_at=lengths - 1)
+        return out.logits[:, 0], out.cache
 
     def _prefill_impl(self, state, tokens, lengths, real, columns, version):
         logits, cache = self._prefill_logits(state, tokens, lengths)

@@ -252,9 +252,18 @@ class Transformer(nnx.Module):
         return self.forward(input_ids, positions).logits
 
     def forward(
-        self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache | None = None,
+        logits_at: jax.Array | None = None,
     ) -> ForwardOutput:
-        """Runs `tokens` [batch, seq] at `positions` [batch, seq], reading/writing `cache`."""
+        """Runs `tokens` [batch, seq] at `positions` [batch, seq], reading/writing `cache`.
+
+        `logits_at` [batch] picks one sequence index per row to apply the output head at
+        (logits [batch, 1, vocab]): a prefill needs only the last prompt token's logits, and
+        [batch, seq, vocab] in float32 is gigabytes at real vocabulary sizes.
+        """
         x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)
         new_k, new_v, loads = [], [], []
         for i, layer in enumerate(self.layers):
@@ -265,6 +274,8 @@ class Transformer(nnx.Module):
                 new_v.append(layer_cache[1])
             if load is not None:
                 loads.append(load)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         x = self.norm(x).astype(jnp.float32)
         head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         logits = x @ head.astype(jnp.float32)
@@ -297,8 +308,15 @@ class Functional:
         graphdef, params = nnx.split(model)
         return cls(graphdef), params
 
-    def forward(self, params, tokens, positions, cache: KVCache | None = None) -> ForwardOutput:
-        return nnx.merge(self.graphdef, params).forward(tokens, positions, cache)
+    def forward(
+        self,
+        params,
+        tokens,
+        positions,
+        cache: KVCache | None = None,
+        logits_at: jax.Array | None = None,
+    ) -> ForwardOutput:
+        return nnx.merge(self.graphdef, params).forward(tokens, positions, cache, logits_at)
 
     def logits(self, params, input_ids: jax.Array) -> jax.Array:
         return nnx.merge(self.graphdef, params)(input_ids)

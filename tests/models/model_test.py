@@ -107,3 +107,14 @@ def test_moe_matches_dense_reference_computation():
             g = tok @ gate[e]
             ref[n] += w * (((g / (1 + np.exp(-g))) * (tok @ up[e])) @ down[e])
     np.testing.assert_allclose(np.asarray(got[0]), ref, atol=1e-5)
+
+
+def test_logits_at_picks_one_position_per_row():
+    model = create(MOE, seed=4)
+    ids = jnp.asarray(np.random.RandomState(2).randint(0, 50, (3, 9)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(9), (3, 9))
+    full = np.asarray(model.forward(ids, positions).logits)
+    picks = jnp.asarray([8, 0, 4])
+    out = model.forward(ids, positions, logits_at=picks)
+    assert out.logits.shape == (3, 1, 50)
+    np.testing.assert_allclose(out.logits[:, 0], full[np.arange(3), np.asarray(picks)], atol=1e-5)
