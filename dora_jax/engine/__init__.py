@@ -55,22 +55,19 @@ continuous batching to the end and returns one `Completion` per request, in orde
 `jetstream.engine.engine_api.Engine` for JetStream's own orchestrator (extra `jetstream`).
 """
 
-from dora_jax.engine.engine_lib import (
-    Completion,
+from dora_jax.engine.engine_lib import Engine
+from dora_jax.engine.generate_lib import generate_all
+from dora_jax.engine.request_lib import Completion, FinishReason, Request, stop_reached
+from dora_jax.engine.sampling_lib import SamplingParams
+from dora_jax.engine.slots_lib import (
     DecodeState,
-    Engine,
     ExportedSlot,
-    FinishReason,
     PolicyParams,
     Prefix,
-    Request,
     ResultTokens,
     SlotData,
     SlotState,
-    generate_all,
-    stop_reached,
 )
-from dora_jax.engine.sampling_lib import SamplingParams
 
 __all__ = [
     "Completion",

@@ -16,246 +16,29 @@ power of two; generate, insert, export and free each compile once per engine.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.engine import sampling_lib
+from dora_jax.engine.request_lib import FinishReason, Request
 from dora_jax.engine.sampling_lib import SamplingParams
+from dora_jax.engine.slots_lib import (
+    DecodeState,
+    ExportedSlot,
+    PolicyParams,
+    Prefix,
+    ResultTokens,
+    SlotState,
+    unwrap_params,
+)
 from dora_jax.models import Functional, KVCache, Transformer, sharding_lib
-
-
-class FinishReason(enum.IntEnum):
-    """Why a slot stopped; `NONE` while it decodes (or never held a request)."""
-
-    NONE = 0
-    EOS = 1  # sampled one of the request's EOS ids
-    LENGTH = 2  # reached max_new_tokens
-    STOP = 3  # a stop sequence / stop string matched (host side, see `stop_reached`)
-    ABORTED = 4  # freed by `free_slot` while still decoding
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
-
-# --------------------------------------------------------------------------------------------
-# Params, requests, completions
-# --------------------------------------------------------------------------------------------
-
-
-@jax.tree_util.register_pytree_node_class
-class PolicyParams:
-    """Model params plus the policy version they are.
-
-    `version` is static pytree data (so `jax.device_put(p, shardings)` keeps it), but the engine
-    hands only `state` to its jitted functions: changing versions never recompiles.
-    """
-
-    def __init__(self, state: Any, version: int):
-        self.state = state
-        self.version = version
-
-    def tree_flatten(self):
-        return (self.state,), self.version
-
-    @classmethod
-    def tree_unflatten(cls, version, children):
-        return cls(children[0], version)
-
-    def __repr__(self) -> str:
-        return f"PolicyParams(version={self.version})"
-
-
-def _unwrap(params: Any) -> tuple[Any, int]:
-    if not isinstance(params, PolicyParams):
-        raise TypeError(
-            "engine params must be PolicyParams(state, version) so every token is tagged with "
-            f"the policy version that sampled it; got {type(params).__name__}. Use "
-            "engine.load_params(version=...) or engine.shard_params(state, version=...)."
-        )
-    return params.state, int(params.version)
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """One generation request.
-
-    prompt_tokens: the prompt's token ids (1 .. max_prefill_length of them).
-    sampling: None uses the engine's default `SamplingParams`.
-    max_new_tokens: None uses the engine's max_decode_length (also the upper bound).
-    ignore_eos: never stop on an EOS id (the request runs to exactly max_new_tokens).
-    min_new_tokens: an EOS id stops the request only after at least this many tokens. EOS is
-      not masked out of the distribution, so the behaviour log-probs stay those of the policy.
-    seed: PRNG seed; token i uses fold_in(key(seed mod 2**32), i).
-    eos_ids: None uses the engine's eos_ids.
-    stop_sequences / stop_strings: checked on the host after each token (`stop_reached`);
-      stop strings need a detokenize callable. The matching tokens stay in the completion.
-    id: the caller's handle, copied to the `Completion`.
-    """
-
-    prompt_tokens: Sequence[int]
-    sampling: SamplingParams | None = None
-    max_new_tokens: int | None = None
-    ignore_eos: bool = False
-    seed: int = 0
-    id: Any = None
-    min_new_tokens: int = 0
-    eos_ids: Sequence[int] | None = None
-    stop_sequences: Sequence[Sequence[int]] = ()
-    stop_strings: Sequence[str] = ()
-
-
-@dataclasses.dataclass
-class Completion:
-    """A finished request: its generated tokens and their behaviour log-probs."""
-
-    id: Any
-    prompt_tokens: np.ndarray  # int32 [prompt_len]
-    tokens: np.ndarray  # int32 [n]
-    logprobs: np.ndarray  # float32 [n], log-prob under the distribution each was sampled from
-    version: int  # the policy version of the params that produced every token
-    finish_reason: str  # "eos" | "length" | "stop"
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-
-def stop_reached(
-    request: Request,
-    tokens: Sequence[int],
-    detokenize: Callable[[Sequence[int]], str] | None = None,
-) -> bool:
-    """Whether the generated `tokens` end in one of the request's stop sequences or contain one
-    of its stop strings (`detokenize` maps generated ids to text). Called after every token, it
-    stops at the first token that completes a match."""
-    for seq in request.stop_sequences:
-        n = len(seq)
-        if n and len(tokens) >= n and [int(t) for t in tokens[-n:]] == [int(t) for t in seq]:
-            return True
-    if request.stop_strings:
-        if detokenize is None:
-            raise ValueError(f"request {request.id!r} has stop_strings but no detokenize callable")
-        text = detokenize([int(t) for t in tokens])
-        return any(s in text for s in request.stop_strings)
-    return False
-
-
-# --------------------------------------------------------------------------------------------
-# Device-side state
-# --------------------------------------------------------------------------------------------
-
-
-class SlotState(NamedTuple):
-    """Per-row decoding state. The decode state has one row per slot; a prefix one per prompt."""
-
-    cache: KVCache  # k, v: [layers, rows, cache_len, kv_heads, head_dim]
-    tokens: jax.Array  # int32: the last sampled token, the next step's input
-    positions: jax.Array  # int32: the cache index that token will be written at
-    generated: jax.Array  # int32: tokens sampled so far (= the next token's PRNG index)
-    prompt_length: jax.Array  # int32
-    active: jax.Array  # bool: still decoding
-    finish_reason: jax.Array  # int32 FinishReason
-    version: jax.Array  # int32: policy version of the params that prefilled it
-    temperature: jax.Array  # float32
-    top_k: jax.Array  # int32
-    top_p: jax.Array  # float32
-    seed: jax.Array  # uint32
-    max_new_tokens: jax.Array  # int32
-    min_new_tokens: jax.Array  # int32
-    eos_ids: jax.Array  # int32 [rows, max_eos_ids], padded with -1
-
-    @property
-    def num_rows(self) -> int:
-        return self.tokens.shape[0]
-
-
-DecodeState = SlotState
-Prefix = SlotState
-ExportedSlot = SlotState  # one row
-
-
-class SlotData(NamedTuple):
-    """JetStream's per-slot view (`tokens`, `valid`, `lengths`) plus log-probs and status."""
-
-    tokens: np.ndarray  # [samples, 1]
-    valid: np.ndarray  # [samples, 1]
-    lengths: np.ndarray  # [samples]: tokens generated so far, this one included
-    log_probs: np.ndarray  # [samples, 1]
-    finish_reason: np.ndarray  # [samples]: FinishReason after this token (NONE: continues)
-    version: np.ndarray  # [samples]: the version that prefilled the slot
-
-
-_COLUMNS = ("token", "valid", "length", "finish_reason", "version")
-
-
-@struct.dataclass
-class ResultTokens:
-    """Tokens of one prefill or generate call, in JetStream's layout, plus behaviour log-probs.
-
-    `data` packs [rows, token | valid | length | finish_reason | version] into one int32 array
-    (one device-to-host copy); `log_probs` is float32 [rows, 1]. `version` is the policy version
-    of the params that produced these tokens.
-    """
-
-    data: Any
-    log_probs: Any
-    tokens_idx: tuple[int, int] = struct.field(pytree_node=False, default=(0, 1))
-    valid_idx: tuple[int, int] = struct.field(pytree_node=False, default=(1, 2))
-    length_idx: tuple[int, int] = struct.field(pytree_node=False, default=(2, 3))
-    finish_idx: tuple[int, int] = struct.field(pytree_node=False, default=(3, 4))
-    version_idx: tuple[int, int] = struct.field(pytree_node=False, default=(4, 5))
-    samples_per_slot: int = struct.field(pytree_node=False, default=1)
-    version: int = struct.field(pytree_node=False, default=0)
-
-    def copy_to_host_async(self) -> None:
-        for x in (self.data, self.log_probs):
-            if isinstance(x, jax.Array):
-                x.copy_to_host_async()
-
-    def convert_to_numpy(self) -> ResultTokens:
-        return self.replace(data=np.asarray(self.data), log_probs=np.asarray(self.log_probs))
-
-    def get_result_at_slot(self, slot: int) -> SlotData:
-        rows = slice(slot * self.samples_per_slot, (slot + 1) * self.samples_per_slot)
-        col = lambda idx: self.data[rows, idx[0] : idx[1]]
-        return SlotData(
-            tokens=col(self.tokens_idx),
-            valid=col(self.valid_idx),
-            lengths=col(self.length_idx)[:, 0],
-            log_probs=self.log_probs[rows],
-            finish_reason=col(self.finish_idx)[:, 0],
-            version=col(self.version_idx)[:, 0],
-        )
-
-    # Whole-batch views (numpy after `convert_to_numpy`).
-    @property
-    def tokens(self):
-        return self.data[:, self.tokens_idx[0]]
-
-    @property
-    def valid(self):
-        return self.data[:, self.valid_idx[0]].astype(bool)
-
-    @property
-    def lengths(self):
-        return self.data[:, self.length_idx[0]]
-
-    @property
-    def finish_reasons(self):
-        return self.data[:, self.finish_idx[0]]
-
-    @property
-    def slot_versions(self):
-        return self.data[:, self.version_idx[0]]
 
 
 class _RowSettings(NamedTuple):
@@ -490,7 +273,7 @@ class Engine:
         All rows are padded to the bucket of the longest prompt and the row count to a power of
         two; rows past len(requests) are padding (valid == 0) that `insert` drops.
         """
-        state, version = _unwrap(params)
+        state, version = unwrap_params(params)
         if not requests:
             raise ValueError("prefill_requests needs at least one request")
         prompts = [self._check_prompt(r) for r in requests]
@@ -535,7 +318,7 @@ class Engine:
         self, params: PolicyParams, decode_state: DecodeState
     ) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot; consumes (donates) `decode_state`."""
-        state, version = _unwrap(params)
+        state, version = unwrap_params(params)
         decode_state, data, log_probs = self._generate_jit(state, decode_state)
         return decode_state, ResultTokens(data, log_probs, version=version)
 
@@ -833,97 +616,3 @@ def _pack(token, valid, length, finish, version, log_prob):
         [token, valid.astype(jnp.int32), length, finish, version.astype(jnp.int32)], axis=-1
     ).astype(jnp.int32)
     return data, log_prob[:, None].astype(jnp.float32)
-
-
-# --------------------------------------------------------------------------------------------
-# A driver for callers that just want completions
-# --------------------------------------------------------------------------------------------
-
-
-def generate_all(
-    engine: Engine,
-    params: PolicyParams,
-    requests: Sequence[Request],
-    *,
-    detokenize: Callable[[Sequence[int]], str] | None = None,
-) -> list[Completion]:
-    """Runs `requests` to completion with continuous batching; completions in request order.
-
-    Free slots are refilled (prompts of one length bucket prefilled together) while the other
-    slots keep decoding. Every request is checked before any work starts.
-    """
-    _, version = _unwrap(params)
-    for r in requests:
-        engine.check_request(r)
-        if r.stop_strings and detokenize is None:
-            raise ValueError(f"request {r.id!r} has stop_strings but no detokenize callable")
-    tokens: list[list[int]] = [[] for _ in requests]
-    logprobs: list[list[float]] = [[] for _ in requests]
-    results: list[Completion | None] = [None] * len(requests)
-    pending = collections.deque(range(len(requests)))
-    owner: list[int | None] = [None] * engine.max_concurrent_decodes
-    decode_state = engine.init_decode_state()
-
-    def take(i: int, token: int, logprob: float, finish: int) -> bool:
-        """Records one token of request i; True when the request is done."""
-        tokens[i].append(token)
-        logprobs[i].append(logprob)
-        reason = FinishReason(finish)
-        if reason == FinishReason.NONE and stop_reached(requests[i], tokens[i], detokenize):
-            reason = FinishReason.STOP
-        if reason == FinishReason.NONE:
-            return False
-        results[i] = Completion(
-            id=requests[i].id,
-            prompt_tokens=np.asarray(requests[i].prompt_tokens, np.int32),
-            tokens=np.asarray(tokens[i], np.int32),
-            logprobs=np.asarray(logprobs[i], np.float32),
-            version=version,
-            finish_reason=reason.label,
-        )
-        return True
-
-    while pending or any(o is not None for o in owner):
-        free = [s for s, o in enumerate(owner) if o is None]
-        stopped: list[int] = []
-        if pending and free:
-            batch = [pending.popleft() for _ in range(min(len(free), len(pending)))]
-            by_bucket: dict[int, list[int]] = collections.defaultdict(list)
-            for i in batch:
-                by_bucket[engine.bucket_for(len(requests[i].prompt_tokens))].append(i)
-            for group in by_bucket.values():
-                slots, free = free[: len(group)], free[len(group) :]
-                prefix, first = engine.prefill_requests(params, [requests[i] for i in group])
-                decode_state = engine.insert(prefix, decode_state, slots)
-                first = first.convert_to_numpy()
-                for row, (slot, i) in enumerate(zip(slots, group, strict=True)):
-                    done = take(
-                        i,
-                        int(first.tokens[row]),
-                        float(first.log_probs[row, 0]),
-                        int(first.finish_reasons[row]),
-                    )
-                    if done:
-                        if first.finish_reasons[row] == FinishReason.NONE:
-                            stopped.append(slot)
-                    else:
-                        owner[slot] = i
-        if stopped:
-            decode_state = engine.free_slot(decode_state, stopped)
-            stopped = []
-        if not any(o is not None for o in owner):
-            continue
-        decode_state, result = engine.generate(params, decode_state)
-        result = result.convert_to_numpy()
-        for slot, i in enumerate(owner):
-            if i is None or not result.valid[slot]:
-                continue
-            finish = int(result.finish_reasons[slot])
-            done = take(i, int(result.tokens[slot]), float(result.log_probs[slot, 0]), finish)
-            if done:
-                owner[slot] = None
-                if finish == FinishReason.NONE:
-                    stopped.append(slot)
-        if stopped:
-            decode_state = engine.free_slot(decode_state, stopped)
-    return results  # type: ignore[return-value]

@@ -35,7 +35,9 @@ if not hasattr(jax, "tree_map"):
 
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2  # noqa: E402
 
-from dora_jax.engine.engine_lib import Engine, PolicyParams, Prefix, Request, SlotState  # noqa: E402
+from dora_jax.engine.engine_lib import Engine  # noqa: E402
+from dora_jax.engine.request_lib import Request  # noqa: E402
+from dora_jax.engine.slots_lib import PolicyParams, Prefix, SlotState  # noqa: E402
 
 
 class AdapterDecodeState(NamedTuple):

@@ -21,7 +21,7 @@ import numpy as np
 
 from dora_jax import models
 from dora_jax.engine import Engine
-from dora_jax.engine.engine_lib import Request as EngineRequest
+from dora_jax.engine.request_lib import Request as EngineRequest
 from dora_jax.rollout import audit_lib, request_lib
 from dora_jax.rollout.config_lib import RolloutConfig
 from dora_jax.rollout.runner_lib import Rollout

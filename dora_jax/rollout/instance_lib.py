@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from dora_jax.engine.engine_lib import FinishReason
-from dora_jax.engine.engine_lib import Request as EngineRequest
+from dora_jax.engine.request_lib import FinishReason
+from dora_jax.engine.request_lib import Request as EngineRequest
 from dora_jax.rollout.request_lib import Request
 
 

@@ -24,7 +24,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dora_jax.engine.engine_lib import FinishReason, PolicyParams, SlotData
+from dora_jax.engine.request_lib import FinishReason
+from dora_jax.engine.slots_lib import PolicyParams, SlotData
 
 EOS = 0
 VOCAB = 64
