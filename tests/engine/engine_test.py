@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny_models import DENSE, MOE, VOCAB
 
 from dora_jax.engine import (
     Engine,
@@ -19,33 +20,8 @@ from dora_jax.engine import (
     generate_all,
     stop_reached,
 )
-from dora_jax.models import Functional, ModelConfig, create
+from dora_jax.models import Functional, create
 
-VOCAB = 50
-DENSE = ModelConfig(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    qk_norm=True,
-)
-MOE = ModelConfig(
-    architecture="Qwen3MoeForCausalLM",
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    qk_norm=True,
-    num_experts=5,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-)
 WEIGHT_SCALE = 8.0
 
 # The tests share module-scoped engines (and their compilations); one xdist worker runs them all

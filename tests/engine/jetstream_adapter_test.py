@@ -10,25 +10,16 @@ import jax
 from jetstream.core import orchestrator
 from jetstream.core.proto import jetstream_pb2
 from jetstream.engine import engine_api
+from tiny_models import DENSE
 
 from dora_jax.engine import Engine, Request, SamplingParams, generate_all, jetstream_adapter
-from dora_jax.models import ModelConfig, create
+from dora_jax.models import create
 
 # Importing the orchestrator sets the root logger to DEBUG with a handler on sys.stdout; undo
 # that so other tests in this process are not flooded (and nothing logs to a closed stdout).
 logging.getLogger().removeHandler(orchestrator.handler)
 logging.getLogger().setLevel(logging.WARNING)
 
-CONFIG = ModelConfig(
-    vocab_size=50,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    qk_norm=True,
-)
 BOS = 1
 # Generous: a loaded CI machine can take a while to compile; a normal run takes seconds.
 TIMEOUT_S = 300
@@ -40,7 +31,7 @@ def test_tree_map_alias_present():
 
 def test_orchestrator_completes_one_request():
     engine = Engine(
-        create(CONFIG, seed=3),
+        create(DENSE, seed=3),
         max_concurrent_decodes=2,
         max_prefill_length=16,
         max_decode_length=8,

@@ -8,33 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import DENSE, MOE
 
-from dora_jax.models import Functional, KVCache, ModelConfig, create
-
-DENSE = ModelConfig(
-    vocab_size=50,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    qk_norm=True,
-)
-MOE = ModelConfig(
-    architecture="Qwen3MoeForCausalLM",
-    vocab_size=50,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    qk_norm=True,
-    num_experts=5,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-)
+from dora_jax.models import Functional, KVCache, create
 
 
 @pytest.mark.parametrize("config", [DENSE, MOE], ids=["dense", "moe"])
