@@ -73,14 +73,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.rollout_batch_size = 96
     c.rollout.group_size = 8
     c.rollout.staleness_bound = 2
-    c.rollout.num_iterations = 30
+    c.rollout.num_iterations = 300
     c.rollout.timer_steps = 16
     c.rollout.kv_pressure = 0.9
     c.rollout.publish_delay_steps = 4
 
     c.train = ml_collections.ConfigDict()
     c.train.mini_batches = 2
-    c.train.learning_rate = 1e-3
+    c.train.learning_rate = 2e-4
     c.train.warmup_steps = 2
     c.train.advantage = "grpo"
     c.train.loss = "ppo_clip"
