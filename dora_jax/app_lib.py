@@ -35,6 +35,7 @@ from dora_jax.engine import Engine, Request, SamplingParams, generate_all
 from dora_jax.observe import metrics_lib, plots_lib, progress_lib
 from dora_jax.rewards import RewardRunner, get_reward
 from dora_jax.rollout.config_lib import RolloutConfig
+from dora_jax.rollout.paradigms_lib import PARADIGMS
 from dora_jax.rollout.request_lib import PromptSpec
 from dora_jax.rollout.runner_lib import Rollout
 from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
@@ -82,7 +83,9 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
             **train_fields,
             "tbs": rollout.train_batch_size,
             "group_size": rollout.group_size,
-            "max_staleness": max(rollout.staleness_bound, 1),
+            # The paradigm's own bound (sync: 0, one_step_off: 1, else rollout.staleness_bound):
+            # the trainer refuses any sample beyond it, a second line of defence for C3.
+            "max_staleness": PARADIGMS[rollout.mode]().bounds(rollout)[0],
         }
     )
     get_reward(config.reward.name)  # an unknown reward name fails here, not mid-run
