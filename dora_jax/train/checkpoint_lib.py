@@ -11,6 +11,7 @@ safe: a step directory either has every item or is not a checkpoint at all.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import grain
@@ -30,7 +31,7 @@ class Checkpointer:
 
     def __init__(self, directory: str, keep: int = 2, async_save: bool = True):
         self._manager = ocp.CheckpointManager(
-            directory,
+            os.path.abspath(directory),  # orbax refuses relative paths (workdirs often are)
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep, enable_async_checkpointing=async_save, create=True
             ),

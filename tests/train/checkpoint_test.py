@@ -56,8 +56,9 @@ def test_resume_restores_params_optimizer_iterator_and_meta(tmp_path):
     assert consumed != expected_next
 
 
-def test_keeps_only_the_newest_steps(tmp_path):
-    ckpt = Checkpointer(str(tmp_path), keep=2, async_save=False)
+def test_keeps_only_the_newest_steps(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path.parent)  # a relative directory, as `--workdir=runs/x` gives
+    ckpt = Checkpointer(tmp_path.name, keep=2, async_save=False)
     tree = {"w": jnp.ones(3)}
     for step in (1, 2, 3):
         ckpt.save(step, train_state=tree, data_iterator=None, meta={"step": step})
