@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
@@ -25,6 +25,10 @@ def _use_cpu_devices(count: int) -> None:
 
 
 def _config():
+    if not flags.FLAGS["verbosity"].present:
+        # orbax logs every checkpoint step at INFO, which buries the progress display;
+        # `--verbosity=0` brings those logs back.
+        logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     if config is None:
         sys.exit("--config=configs/<name>.py is required")
