@@ -446,6 +446,10 @@ def _prompt_dataset(
     )
 
 
+def _percent(accuracy: float | None) -> str:
+    return "n/a" if accuracy is None else f"{100 * accuracy:.1f}%"
+
+
 def _write_summary(workdir: str, summary: dict[str, Any], records: Sequence[dict]) -> None:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -453,5 +457,6 @@ def _write_summary(workdir: str, summary: dict[str, Any], records: Sequence[dict
         records,
         os.path.join(workdir, "summary.png"),
         title=f"dora_jax {summary['mode']}: held-out pass@1 "
-        f"{summary['heldout_accuracy_before']} -> {summary['heldout_accuracy_after']}",
+        f"{_percent(summary['heldout_accuracy_before'])} -> "
+        f"{_percent(summary['heldout_accuracy_after'])}",
     )
