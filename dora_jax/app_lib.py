@@ -34,8 +34,7 @@ from dora_jax.data import (
 from dora_jax.engine import Engine, Request, SamplingParams, generate_all
 from dora_jax.observe import metrics_lib, plots_lib, progress_lib
 from dora_jax.rewards import RewardRunner, get_reward
-from dora_jax.rollout.config_lib import RolloutConfig
-from dora_jax.rollout.paradigms_lib import PARADIGMS
+from dora_jax.rollout.config_lib import RolloutConfig, train_config
 from dora_jax.rollout.request_lib import PromptSpec
 from dora_jax.rollout.runner_lib import Rollout
 from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
@@ -74,28 +73,9 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
         if int(config.engine[field]) < 1:
             raise ValueError(f"engine.{field}={config.engine[field]!r}: must be >= 1")
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "seed": config.seed})
-    train_fields = config.train.to_dict()
-    for shared in ("tbs", "group_size"):
-        if shared in train_fields:
-            raise ValueError(f"train.{shared}: set it once, as rollout.train_batch_size/group_size")
-    train = TrainConfig.from_config(
-        {
-            **train_fields,
-            "tbs": rollout.train_batch_size,
-            "group_size": rollout.group_size,
-            # The paradigm's own bound (sync: 0, one_step_off: 1, else rollout.staleness_bound):
-            # the trainer refuses any sample beyond it, a second line of defence for C3.
-            "max_staleness": PARADIGMS[rollout.mode]().bounds(rollout)[0],
-        }
-    )
+    train = train_config(rollout, config.train)
     get_reward(config.reward.name)  # an unknown reward name fails here, not mid-run
-    plan = plan_devices(
-        train_devices=config.runtime.train_devices,
-        num_instances=config.runtime.num_instances,
-        devices_per_instance=config.runtime.devices_per_instance,
-        train_tp=config.runtime.train_tp,
-        instance_tp=config.runtime.instance_tp,
-    )
+    plan = plan_devices(**config.runtime.to_dict())
     return Settings(rollout=rollout, train=train, plan=plan)
 
 

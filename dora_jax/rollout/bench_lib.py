@@ -23,11 +23,11 @@ from dora_jax import models
 from dora_jax.engine import Engine
 from dora_jax.engine.request_lib import Request as EngineRequest
 from dora_jax.rollout import audit_lib, request_lib
-from dora_jax.rollout.config_lib import RolloutConfig
+from dora_jax.rollout.config_lib import RolloutConfig, train_config
 from dora_jax.rollout.runner_lib import Rollout
 from dora_jax.rollout.trajectory_lib import Trajectory
 from dora_jax.runtime.devices_lib import plan_devices
-from dora_jax.train import TrainConfig, Trainer
+from dora_jax.train import Trainer
 
 REPORTED = ("trained_tokens_per_s", "rollout_time_s", "step_time_s", "bubble_fraction",
             "slot_occupancy")  # fmt: skip
@@ -126,12 +126,7 @@ def run_mode(config: ml_collections.ConfigDict, mode: str, workdir: str) -> dict
     same prompts and forced lengths in every mode, all of them trained. Throughput is its
     trained tokens (prompt + response) over its wall time, start to last publish.
     """
-    plan = plan_devices(
-        train_devices=config.runtime.train_devices,
-        num_instances=config.runtime.num_instances,
-        devices_per_instance=config.runtime.devices_per_instance,
-        train_tp=config.runtime.train_tp,
-    )
+    plan = plan_devices(**config.runtime.to_dict())
     model = models.create(models.ModelConfig(**config.model.to_dict()), seed=config.seed)
     rollout_config = RolloutConfig.from_dict(
         {**config.rollout.to_dict(), "mode": mode, "seed": config.seed}
@@ -150,13 +145,7 @@ def run_mode(config: ml_collections.ConfigDict, mode: str, workdir: str) -> dict
     ]
     trainer = Trainer(
         model,
-        TrainConfig.from_config(
-            {
-                **config.train.to_dict(),
-                "tbs": rollout_config.train_batch_size,
-                "group_size": rollout_config.group_size,
-            }
-        ),
+        train_config(rollout_config, config.train),
         plan.train_mesh,
     )
     initial = jax.tree.map(np.array, jax.device_get(trainer.state))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dora_jax.train.config_lib import TrainConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
@@ -67,3 +69,25 @@ class RolloutConfig:
     @property
     def groups_per_batch(self) -> int:
         return self.train_batch_size // self.group_size
+
+
+def train_config(rollout: RolloutConfig, train: Any) -> TrainConfig:
+    """The trainer's config: `train` (a dict or ConfigDict) plus what the rollout fixes.
+
+    TBS and G are set once, in `rollout`; the trainer's staleness guard is the paradigm's own
+    bound (sync 0, one_step_off 1, otherwise K), a second line of defence for C3.
+    """
+    from dora_jax.rollout import paradigms_lib  # registry; imported late to avoid a cycle
+
+    fields = dict(train.to_dict() if hasattr(train, "to_dict") else train)
+    for shared in ("tbs", "group_size"):
+        if shared in fields:
+            raise ValueError(f"train.{shared}: set it once, as rollout.train_batch_size/group_size")
+    return TrainConfig.from_config(
+        {
+            **fields,
+            "tbs": rollout.train_batch_size,
+            "group_size": rollout.group_size,
+            "max_staleness": paradigms_lib.PARADIGMS[rollout.mode]().bounds(rollout)[0],
+        }
+    )

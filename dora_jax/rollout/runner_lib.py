@@ -354,8 +354,6 @@ class Rollout:
         interval = (now - self._last_publish_us) / 1e6
         m = self.telemetry.iteration_metrics()
         tokens = sum(len(t.prompt_tokens) + len(t.response_tokens) for t in batch)
-        staleness = collections.Counter(published.version - 1 - t.version for t in batch)
-        m.update({f"staleness/{s}": float(n) for s, n in sorted(staleness.items())})
         m.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
         m.update(
             iteration=float(published.version - 1),
