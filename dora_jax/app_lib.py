@@ -193,7 +193,7 @@ def warm_up(
         tokens, mask = sft_lib.pack_examples([examples[i] for i in picks], length, tok.pad_id)
         loss = trainer.step(tokens, mask)
         if step % 50 == 0 or step == steps:
-            display.update(step, {"loss": loss})
+            display.update(step, {"train/loss": loss})
     display.close()
     return trainer.model()
 
@@ -311,9 +311,6 @@ def train_and_evaluate(
             **{k: float(v) for k, v in runner.metrics().items()},
             **{f"data/skipped_{k}": float(v) for k, v in iterator.skipped.items()},
             "wall_time_s": time.perf_counter() - rl_start,
-            "reward_mean": metrics.get("train/reward_mean", 0.0),
-            "response_length_mean": metrics.get("train/response_length_mean", 0.0),
-            "staleness_max": metrics.get("train/staleness_max", 0.0),
         }
         writer.write(step, metrics)
         display.update(step, metrics)

@@ -16,10 +16,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 PANELS = (
-    ("reward_mean", "step", "reward vs iteration", "iteration"),
-    ("reward_mean", "wall_time_s", "reward vs wall-clock", "seconds"),
-    ("response_length_mean", "step", "response length vs iteration", "iteration"),
-    ("response_length_mean", "wall_time_s", "response length vs wall-clock", "seconds"),
+    ("train/reward_mean", "step", "reward vs iteration", "iteration"),
+    ("train/reward_mean", "wall_time_s", "reward vs wall-clock", "seconds"),
+    ("train/response_length_mean", "step", "response length vs iteration", "iteration"),
+    ("train/response_length_mean", "wall_time_s", "response length vs wall-clock", "seconds"),
     ("versions_live", "step", "policy versions live", "iteration"),
     ("slot_occupancy", "step", "decode-slot occupancy", "iteration"),
 )

@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 _FIELDS = (
-    ("loss", "loss", "{:.3f}"),
-    ("reward", "reward_mean", "{:.3f}"),
-    ("stale", "staleness_max", "{:.0f}"),
+    ("loss", "train/loss", "{:.3f}"),
+    ("reward", "train/reward_mean", "{:.3f}"),
+    ("stale", "train/staleness_max", "{:.0f}"),
     ("tok/s", "trained_tokens_per_s", "{:.0f}"),
     ("versions", "versions_live", "{:.0f}"),
 )

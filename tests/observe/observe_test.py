@@ -66,9 +66,9 @@ def test_summary_plot_draws_all_panels(tmp_path):
         {
             "step": i,
             "wall_time_s": 2.0 * i,
-            "reward_mean": math.sin(i),
+            "train/reward_mean": math.sin(i),
             "versions_live": 2,
-            "response_length_mean": 10 + i,
+            "train/response_length_mean": 10 + i,
             "slot_occupancy": 0.9,
         }
         for i in range(1, 6)
@@ -80,7 +80,9 @@ def test_summary_plot_draws_all_panels(tmp_path):
 
 def test_progress_line_shows_the_key_fields(capsys):
     display = progress_lib.ProgressDisplay(total=3, live=False)
-    display.update(1, {"reward_mean": 0.5, "staleness_max": 2, "trained_tokens_per_s": 1234.4})
+    display.update(
+        1, {"train/reward_mean": 0.5, "train/staleness_max": 2, "trained_tokens_per_s": 1234.4}
+    )
     display.close()
     line = capsys.readouterr().out
     assert "iter 1/3" in line and "reward 0.500" in line and "stale 2" in line
