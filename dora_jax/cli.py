@@ -7,21 +7,15 @@ absl. `audit` takes only a workdir: it re-checks C1-C3 from the ledger alone.
 
 from __future__ import annotations
 
-import os
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from dora_jax.runtime import cpu_flags_lib
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Directory for run outputs.")
-
-
-def _use_cpu_devices(count: int) -> None:
-    """Splits the host CPU into `count` XLA devices; must run before JAX initialises."""
-    flag = f"--xla_force_host_platform_device_count={count}"
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 
 def _config():
@@ -32,7 +26,7 @@ def _config():
     config = _CONFIG.value
     if config is None:
         sys.exit("--config=configs/<name>.py is required")
-    _use_cpu_devices(config.num_cpu_devices)
+    cpu_flags_lib.use_cpu_devices(config.num_cpu_devices)
     return config
 
 

@@ -1,12 +1,13 @@
 """Test-wide set-up: 8 virtual CPU devices, so multi-device meshes are real in every test.
 
-XLA reads the flag when JAX initialises its backend, so it is set here, before any test module
-imports JAX.
+XLA reads its flags when JAX initialises its backend, so they are set here, before any test module
+imports JAX, by the same function the CLI uses (it imports no JAX itself). Subprocesses the tests
+start (the CLI, the notebook's kernel) inherit them.
 """
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from dora_jax.runtime import cpu_flags_lib
+
+cpu_flags_lib.use_cpu_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -51,6 +51,7 @@ def _checkpoints(workdir: pathlib.Path) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # three full runs and two partial ones
 def test_sigkill_at_random_points_then_resume_loses_nothing(tmp_path):
     reference = tmp_path / "reference"
     reference.mkdir()
