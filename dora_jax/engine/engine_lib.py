@@ -468,9 +468,11 @@ class Engine:
         # Rows without a slot go to index max_concurrent_decodes, which the scatter drops.
         index = np.full(rows.num_rows, self._slots, np.int32)
         index[: len(slots)] = slots
-        # A no-op for rows already on this mesh; a cross-mesh copy for a migrated slot or a
-        # prefix computed by another engine.
-        rows = jax.device_put(rows, self._row_shardings)
+        # A cross-mesh copy for a migrated slot or a prefix computed by another engine; rows
+        # already in place (this engine's own prefill) skip the per-leaf device_put.
+        leaves = zip(jax.tree.leaves(rows), jax.tree.leaves(self._row_shardings), strict=True)
+        if not all(isinstance(x, jax.Array) and x.sharding == s for x, s in leaves):
+            rows = jax.device_put(rows, self._row_shardings)
         return self._insert_jit(decode_state, rows, index)
 
     # ---- shardings ------------------------------------------------------------------------

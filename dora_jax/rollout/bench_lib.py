@@ -71,19 +71,22 @@ def workload(config: ml_collections.ConfigDict, seed: int, iterations: int) -> F
 
 
 def precompile(engines: list[Engine], trainer: Trainer, config: ml_collections.ConfigDict):
-    """Compiles what a short warm-up run may miss: every prefill bucket of every engine (the
-    partial paradigm re-prefills prompt + generated tokens, any length) and a training step
-    per length bucket. The caller restores the trainer's state afterwards."""
+    """Compiles what a short warm-up run may miss: every prefill bucket and batch size of every
+    engine (admission prefills a turn's requests together; the partial paradigm re-prefills
+    prompt + generated tokens, any length) and a training step per length bucket. The caller
+    restores the trainer's state afterwards."""
     for engine in engines:
         params = engine.load_params()
+        sizes = [1 << i for i in range((engine.max_concurrent_decodes - 1).bit_length() + 1)]
         for bucket in engine.prefill_buckets:
             tokens = np.ones(bucket, np.int32)
             request = EngineRequest(
                 prompt_tokens=tokens, max_new_tokens=2, ignore_eos=True, seed=0, id=(-1, 0)
             )
-            prefix, _ = engine.prefill(
-                params=params, padded_tokens=tokens, true_length=bucket, requests=request
-            )
+            for n in sizes:
+                prefix, _ = engine.prefill_requests(params, [request] * n)
+                state = engine.insert(prefix, engine.init_decode_state(), list(range(n)))
+                jax.block_until_ready(engine.free_slot(state, list(range(n))))
         # The slot moves a run may first need mid-measurement: insert, decode, a migration
         # (export + import), free.
         state = engine.insert(prefix, engine.init_decode_state(), 0)

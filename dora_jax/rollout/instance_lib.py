@@ -47,6 +47,7 @@ class RolloutInstance:
         self.decode_state = engine.init_decode_state()
         self.healthy = True
         self._pending_result: Any = None
+        self._pending_prefill: list[Any] = []
 
     @property
     def name(self) -> str:
@@ -85,37 +86,57 @@ class RolloutInstance:
         self.params = None
         self.version = None
 
-    def start(self, request: Request, slot: int) -> bool:
-        """Prefills `request` (prompt plus anything generated so far) into `slot`.
-
-        Returns True when the request already finished with its first token.
-        """
-        if self.slots[slot] is not None:
-            raise RuntimeError(f"{self.name}: slot {slot} is busy")
-        tokens = np.concatenate(
-            [np.asarray(request.prompt.tokens, np.int32), np.asarray(request.tokens, np.int32)]
-        )
-        prefix, result = self.engine.prefill(
-            params=self.params,
-            padded_tokens=tokens,
-            true_length=len(tokens),
-            requests=EngineRequest(
+    def dispatch_prefill(self, starts: list[tuple[Request, int]]) -> None:
+        """Enqueues the prefill of every (request, slot) pair: prompt plus anything the request
+        generated so far, one engine call per prefill length bucket (so a re-prefilled long
+        request does not pad short ones to its length). Does not wait; `collect_prefill`
+        reads it back."""
+        for _, slot in starts:
+            if self.slots[slot] is not None:
+                raise RuntimeError(f"{self.name}: slot {slot} is busy")
+        by_bucket: dict[int, list[tuple[Request, int, EngineRequest]]] = {}
+        for request, slot in starts:
+            tokens = np.concatenate(
+                [np.asarray(request.prompt.tokens, np.int32), np.asarray(request.tokens, np.int32)]
+            )
+            engine_request = EngineRequest(
                 prompt_tokens=tokens,
                 max_new_tokens=request.max_new_tokens - len(request.tokens),
                 ignore_eos=request.prompt.ignore_eos,
                 seed=request.seed,
                 id=request.key,
-            ),
-        )
-        result = result.convert_to_numpy()
-        token, logprob, finish = read_slot(result, 0)
-        request.started = True
-        request.record(token, logprob, result.version)
-        request.truncated = finish == FinishReason.LENGTH
-        if finish == FinishReason.NONE:
-            self.decode_state = self.engine.insert(prefix, self.decode_state, slot)
-            self.slots[slot] = request
-        return finish != FinishReason.NONE
+            )
+            bucket = self.engine.bucket_for(len(tokens))
+            by_bucket.setdefault(bucket, []).append((request, slot, engine_request))
+        self._pending_prefill = []
+        for group in by_bucket.values():
+            prefix, result = self.engine.prefill_requests(self.params, [e for _, _, e in group])
+            result.copy_to_host_async()
+            self._pending_prefill.append(([(r, s) for r, s, _ in group], prefix, result))
+
+    def collect_prefill(self) -> list[Request]:
+        """Records each request's first token and installs the rest in their slots (one insert
+        per engine call); returns the requests that already finished with their first token."""
+        pending, self._pending_prefill = self._pending_prefill, []
+        finished = []
+        for starts, prefix, result in pending:
+            result = result.convert_to_numpy()
+            done = []
+            for row, (request, slot) in enumerate(starts):
+                token, logprob, finish = read_slot(result, row)
+                request.started = True
+                request.record(token, logprob, result.version)
+                request.truncated = finish == FinishReason.LENGTH
+                if finish == FinishReason.NONE:
+                    self.slots[slot] = request
+                else:
+                    done.append((request, slot))
+            slots = [slot for _, slot in starts]
+            self.decode_state = self.engine.insert(prefix, self.decode_state, slots)
+            if done:  # installed with the rest, but the engine has nothing left to decode
+                self.decode_state = self.engine.free_slot(self.decode_state, [s for _, s in done])
+            finished += [request for request, _ in done]
+        return finished
 
     def dispatch_generate(self) -> None:
         """Enqueues one decode step for every slot (does not wait for it)."""
@@ -172,4 +193,5 @@ class RolloutInstance:
         self.slots = [None] * self.num_slots
         self.unload()
         self._pending_result = None
+        self._pending_prefill = []
         return requests

@@ -115,8 +115,8 @@ class Partial(Paradigm):
             interrupted = x.evict_all()
             r.load(x, newest, holder)
             holder = holder or x
-            for slot, request in zip(x.free(), interrupted, strict=False):
-                r.start(x, request, slot)
+            if interrupted:
+                r.start([(x, list(zip(interrupted, x.free(), strict=False)))])
             r.telemetry.counters["reprefills"] += len(interrupted)
 
 

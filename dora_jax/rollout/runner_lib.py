@@ -198,23 +198,45 @@ class Rollout:
         return int(rng.integers(2**31))
 
     def _admit(self) -> None:
+        batches = []
         for x in self.healthy():
             queue = self.pending.get(x.version)
+            starts = []
             for slot in x.free():
                 if not queue:
                     break
-                self.start(x, queue.popleft(), slot)
+                starts.append((queue.popleft(), slot))
+            if starts:
+                batches.append((x, starts))
+        self.start(batches)
 
-    def start(self, x: RolloutInstance, request: Request, slot: int) -> None:
-        if not request.started:
-            self.ledger.dispatch(*request.key, request.version, self.selected)
-            self.unfinished[request.key] = request
+    def start(self, batches: list[tuple[RolloutInstance, list[tuple[Request, int]]]]) -> None:
+        """Prefills each instance's (request, slot) pairs in one engine call per instance; every
+        instance's prefill is enqueued before any is read back, so they overlap."""
         t0 = self.trace.now_us()
-        if x.start(request, slot):
-            self._finish(request)
-        self.telemetry.action(x.name, "prefill", t0, self.trace.now_us(), version=x.version)
-        self.telemetry.counters["prefills"] += 1
-        self.totals["prefills"] += 1
+        started = []
+        for x, starts in batches:
+            for request, _ in starts:
+                if not request.started:
+                    self.ledger.dispatch(*request.key, request.version, self.selected)
+                    self.unfinished[request.key] = request
+            try:
+                x.dispatch_prefill(starts)
+            except Exception:  # noqa: BLE001 - any engine error takes the instance out
+                self._fail(x, [r for r, _ in starts])
+                continue
+            started.append((x, starts))
+        for x, starts in started:
+            try:
+                finished = x.collect_prefill()
+            except Exception:  # noqa: BLE001
+                self._fail(x, [r for r, _ in starts])
+                continue
+            for request in finished:
+                self._finish(request)
+            self.telemetry.action(x.name, "prefill", t0, self.trace.now_us(), version=x.version)
+            self.telemetry.counters["prefills"] += len(starts)
+            self.totals["prefills"] += len(starts)
 
     def _decode(self) -> None:
         t0 = self.trace.now_us()
@@ -252,10 +274,11 @@ class Rollout:
         del self.unfinished[request.key]
         self.totals["finished"] += 1
 
-    def _fail(self, x: RolloutInstance) -> None:
-        """Requeues a failed instance's requests from scratch under the newest version."""
+    def _fail(self, x: RolloutInstance, prefilling: Sequence[Request] = ()) -> None:
+        """Requeues a failed instance's requests (those in its slots and those it was
+        prefilling) from scratch under the newest version."""
         self.telemetry.close(x.name, self.trace.now_us())
-        for request in x.fail():
+        for request in [*x.fail(), *prefilling]:
             request.restart(self.window.newest)
             self.queue.rebind(request.key, self.window.newest)
             self.pending[self.window.newest].appendleft(request)

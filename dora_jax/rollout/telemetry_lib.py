@@ -1,8 +1,12 @@
 """Per-iteration rollout metrics and the timeline trace (one track per instance + trainer).
 
-Occupancy and bubbles are wall-time weighted: each decode step's duration counts for every
-instance, busy or not, and time the controller spends waiting for the trainer counts as idle
-for all of them, so the synchronous baseline's bubbles show up as what they cost.
+The two bubbles of DESIGN.md are measured apart, both weighted by wall time:
+
+- `slot_occupancy` (1 - the intra-instance bubble): while an instance decodes, the fraction of
+  its slots that hold a request. The long tail of a synchronous batch shows up here.
+- `bubble_fraction` (the inter-instance bubble): the fraction of instance-time with nothing to
+  decode. Each decode step's duration counts for every instance, and time the controller spends
+  waiting for the trainer counts as idle for all of them.
 """
 
 from __future__ import annotations
@@ -70,9 +74,10 @@ class Telemetry:
     def iteration_metrics(self) -> dict[str, float]:
         total = max(self.total_time, 1e-12)
         n = len(self.num_slots)
-        occupancy = [self.busy_slot_time[i] / (self.num_slots[i] * total) for i in range(n)]
+        capacity = [self.num_slots[i] * self.busy_time[i] for i in range(n)]
+        occupancy = [self.busy_slot_time[i] / max(capacity[i], 1e-12) for i in range(n)]
         m = {f"slot_occupancy/instance{i}": occupancy[i] for i in range(n)}
-        m["slot_occupancy"] = sum(self.busy_slot_time) / (sum(self.num_slots) * total)
+        m["slot_occupancy"] = sum(self.busy_slot_time) / max(sum(capacity), 1e-12)
         m["bubble_fraction"] = 1.0 - sum(self.busy_time) / (n * total)
         m["rollout_time_s"] = self.rollout_time
         m.update({k: float(v) for k, v in self.counters.items()})

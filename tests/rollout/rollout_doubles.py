@@ -1,13 +1,13 @@
 """Cheap test doubles for the engine and trainer that honour their contracts.
 
-`EngineDouble` has `dora_jax.engine.Engine`'s interface and semantics (JetStream's `prefill` /
-`insert` / `generate`, `shard_params` giving `PolicyParams`, `free_slot`, `export_slot`,
-`import_slot`, `ResultTokens` with per-slot finish reasons and behaviour log-probs): fixed
-slots, one token per busy slot per decode step, per-request forced length (`max_new_tokens`
-with `ignore_eos`), inserting into a busy slot is an error, a finished slot stops by itself.
-Its tokens are a pure function of (seed, token index) like the real sampler's PRNG keys, and
-each log-prob encodes the version stored *in the weights it was given*, so tests recover which
-version sampled every token without trusting anybody's bookkeeping.
+`EngineDouble` has `dora_jax.engine.Engine`'s interface and semantics (batched
+`prefill_requests`, JetStream's `insert` / `generate`, `shard_params` giving `PolicyParams`,
+`free_slot`, `export_slot`, `import_slot`, `ResultTokens` with per-slot finish reasons and
+behaviour log-probs): fixed slots, one token per busy slot per decode step, per-request forced
+length (`max_new_tokens` with `ignore_eos`), inserting into a busy slot is an error, a finished
+slot stops by itself. Its tokens are a pure function of (seed, token index) like the real
+sampler's PRNG keys, and each log-prob encodes the version stored *in the weights it was given*,
+so tests recover which version sampled every token without trusting anybody's bookkeeping.
 
 `TrainerDouble` counts versions and checks each batch like the real trainer's contract
 (exactly TBS samples in complete groups, staleness within K).
@@ -52,6 +52,9 @@ class ResultTokens:
     lengths: np.ndarray
     slot_versions: np.ndarray
     version: int
+
+    def copy_to_host_async(self) -> None:
+        pass  # already on the host
 
     def convert_to_numpy(self) -> ResultTokens:
         return self
@@ -112,46 +115,70 @@ class EngineDouble:
             finish = FinishReason.NONE
         return token, logprob_of(weights_version, seed, index), int(finish)
 
-    def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length, requests):
-        if not 0 < true_length <= self.max_prefill_length:
-            raise ValueError(f"prompt length {true_length} not in [1, {self.max_prefill_length}]")
-        if not 1 <= requests.max_new_tokens <= self.max_decode_length:
-            raise ValueError(f"max_new_tokens={requests.max_new_tokens} out of range")
-        self.prefills += 1
+    def bucket_for(self, length: int) -> int:
+        if not 0 < length <= self.max_prefill_length:
+            raise ValueError(f"prompt length {length} not in [1, {self.max_prefill_length}]")
+        return max(8, 1 << (length - 1).bit_length())
+
+    def prefill_requests(self, params: PolicyParams, requests: list) -> tuple[dict, ResultTokens]:
+        """One batched prefill, row i for requests[i], as `Engine.prefill_requests`."""
+        if not requests:
+            raise ValueError("prefill_requests needs at least one request")
         weights_version = int(params.state["version"])
-        token, logprob, finish = self._emit(
-            weights_version, requests.seed, 0, requests.max_new_tokens, requests.ignore_eos
-        )
-        prefix = {
-            "active": True,
-            "seed": requests.seed,
-            "index": 1,
-            "remaining": requests.max_new_tokens - 1,
-            "ignore_eos": requests.ignore_eos,
-            "version": params.version,
-            "kv": np.full(16, float(np.sum(padded_tokens[:true_length])), np.float32),
-        }
+        rows = {k: [] for k in _FIELDS}
+        out = {"tokens": [], "log_probs": [], "finish": []}
+        for request in requests:
+            n = len(request.prompt_tokens)
+            if not 0 < n <= self.max_prefill_length:
+                raise ValueError(f"prompt length {n} not in [1, {self.max_prefill_length}]")
+            if not 1 <= request.max_new_tokens <= self.max_decode_length:
+                raise ValueError(f"max_new_tokens={request.max_new_tokens} out of range")
+            self.prefills += 1
+            token, logprob, finish = self._emit(
+                weights_version, request.seed, 0, request.max_new_tokens, request.ignore_eos
+            )
+            for k, v in (("tokens", token), ("log_probs", logprob), ("finish", finish)):
+                out[k].append(v)
+            row = {
+                "active": finish == FinishReason.NONE,
+                "seed": request.seed,
+                "index": 1,
+                "remaining": request.max_new_tokens - 1,
+                "ignore_eos": request.ignore_eos,
+                "version": params.version,
+                "kv": np.full(16, float(np.sum(request.prompt_tokens)), np.float32),
+            }
+            for k in _FIELDS:
+                rows[k].append(row[k])
+        n = len(requests)
         result = ResultTokens(
-            np.asarray([token]),
-            np.asarray([logprob]),
-            np.asarray([finish]),
-            np.asarray([1]),
-            np.asarray([params.version]),
+            np.asarray(out["tokens"]),
+            np.asarray(out["log_probs"]),
+            np.asarray(out["finish"]),
+            np.ones(n, np.int64),
+            np.full(n, params.version),
             params.version,
         )
-        return prefix, result
+        return {k: np.asarray(v) for k, v in rows.items()}, result
 
     @staticmethod
-    def _set(decode_state: dict, slot: int, row: dict) -> dict:
-        if decode_state["active"][slot]:
-            raise ValueError(f"slot {slot} is busy; free it first")
+    def _slots(slot: int | list[int]) -> list[int]:
+        return [int(slot)] if np.ndim(slot) == 0 else [int(s) for s in slot]
+
+    @staticmethod
+    def _set(decode_state: dict, slots: list[int], rows: dict) -> dict:
+        """Row i of `rows` into slots[i]; a busy slot is an error, as in the engine."""
+        busy = [s for s in slots if decode_state["active"][s]]
+        if busy:
+            raise ValueError(f"slots {busy} are busy; free them first")
         state = {k: v.copy() for k, v in decode_state.items()}
-        for k in _FIELDS:
-            state[k][slot] = row[k]
+        for i, slot in enumerate(slots):
+            for k in _FIELDS:
+                state[k][slot] = rows[k][i]
         return state
 
-    def insert(self, prefix: dict, decode_state: dict, slot: int) -> dict:
-        return self._set(decode_state, slot, prefix)
+    def insert(self, prefix: dict, decode_state: dict, slot: int | list[int]) -> dict:
+        return self._set(decode_state, self._slots(slot), prefix)
 
     def generate(self, params: PolicyParams, decode_state: dict):
         self.steps += 1
@@ -184,9 +211,9 @@ class EngineDouble:
         )
         return state, result
 
-    def free_slot(self, decode_state: dict, slot: int) -> dict:
+    def free_slot(self, decode_state: dict, slot: int | list[int]) -> dict:
         state = {k: v.copy() for k, v in decode_state.items()}
-        state["active"][slot] = False
+        state["active"][self._slots(slot)] = False
         return state
 
     def export_slot(self, decode_state: dict, slot: int) -> dict:
@@ -195,7 +222,7 @@ class EngineDouble:
         return {k: np.copy(decode_state[k][slot]) for k in _FIELDS}
 
     def import_slot(self, decode_state: dict, slot: int, exported: dict) -> dict:
-        return self._set(decode_state, slot, exported)
+        return self._set(decode_state, [slot], {k: [v] for k, v in exported.items()})
 
 
 class Published(NamedTuple):
