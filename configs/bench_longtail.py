@@ -20,6 +20,10 @@ def get_config() -> ml_collections.ConfigDict:
     # after explicit compilation of every prefill bucket, slot move and trainer bucket; the
     # trainer is then reset to its initial state. Nothing of it enters the figures.
     c.warmup_iterations = 2
+    # Measured runs per mode, the modes taking turns; each figure is the median. On a shared
+    # 2-core machine one run of a mode varies by about +-25% (measured), more than the gaps
+    # between modes.
+    c.repeats = 3
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = 64

@@ -76,8 +76,11 @@ class Engine:
       model: a `dora_jax.models.Transformer`; its params are what `load_params` returns.
       max_concurrent_decodes: number of decode slots.
       max_prefill_length: longest prompt.
-      max_decode_length: most tokens one request may generate. Each slot's KV cache holds
-        max_prefill_length + max_decode_length positions.
+      max_decode_length: most tokens one request may generate.
+      cache_length: KV positions per slot (vLLM's max_model_len); None: max_prefill_length +
+        max_decode_length. A request needs prompt + max_new_tokens - 1 of them; a smaller
+        cache suits callers that re-prefill long prompts but whose prompt + response stays
+        short (the partial-rollout paradigm), since every decode step attends over all of it.
       mesh: the engine's (fsdp, tp) mesh (`sharding_lib.make_mesh`); None: the first device.
         Params shard by the model's logical-axis rules; the KV cache shards slots over `fsdp`
         and kv heads over `tp` where they divide.
@@ -96,6 +99,7 @@ class Engine:
         max_concurrent_decodes: int,
         max_prefill_length: int,
         max_decode_length: int,
+        cache_length: int | None = None,
         mesh: Mesh | None = None,
         sampling: SamplingParams | None = None,
         eos_ids: Sequence[int] = (),
@@ -121,7 +125,19 @@ class Engine:
         self._slots = int(max_concurrent_decodes)
         self._max_prefill_length = int(max_prefill_length)
         self._max_decode_length = int(max_decode_length)
-        self._cache_length = self._max_prefill_length + self._max_decode_length
+        self._cache_length = (
+            self._max_prefill_length + self._max_decode_length
+            if cache_length is None
+            else cache_length
+        )
+        if int(self._cache_length) != self._cache_length or not (
+            self._max_prefill_length <= self._cache_length
+        ):
+            raise ValueError(
+                f"cache_length must be an integer >= max_prefill_length="
+                f"{self._max_prefill_length}, got {cache_length!r}"
+            )
+        self._cache_length = int(self._cache_length)
         self._mesh = mesh if mesh is not None else sharding_lib.make_mesh(jax.devices()[:1], 1, 1)
         self._rules = dict(rules)
         self._cache_dtype = cache_dtype if cache_dtype is not None else model.dtype
@@ -276,8 +292,7 @@ class Engine:
         state, version = unwrap_params(params)
         if not requests:
             raise ValueError("prefill_requests needs at least one request")
-        prompts = [self._check_prompt(r) for r in requests]
-        settings = [self.resolve_settings(r) for r in requests]
+        prompts, settings = zip(*[self.check_request(r) for r in requests], strict=True)
         bucket = self.bucket_for(max(len(p) for p in prompts))
         rows = _next_power_of_two(len(requests))
         tokens = np.zeros((rows, bucket), np.int32)
@@ -287,7 +302,7 @@ class Engine:
             lengths[i] = len(p)
         real = np.arange(rows) < len(requests)
         pad = _RowSettings(0.0, 0, 1.0, 0, 1, 0, ())
-        columns = self._settings_arrays(settings + [pad] * (rows - len(requests)))
+        columns = self._settings_arrays([*settings] + [pad] * (rows - len(requests)))
         prefix, data, log_probs = self._prefill_jit(
             state, tokens, lengths, real, columns, np.int32(version)
         )
@@ -382,10 +397,19 @@ class Engine:
             eos,
         )
 
-    def check_request(self, request: Request) -> None:
-        """Raises ValueError if `request` cannot run on this engine (see `prefill_requests`)."""
-        self._check_prompt(request)
-        self.resolve_settings(request)
+    def check_request(self, request: Request) -> tuple[np.ndarray, _RowSettings]:
+        """Raises ValueError if `request` cannot run on this engine; returns its prompt and
+        settings."""
+        prompt = self._check_prompt(request)
+        settings = self.resolve_settings(request)
+        needed = len(prompt) + settings.max_new_tokens - 1
+        if needed > self._cache_length:
+            raise ValueError(
+                f"request {request.id!r}: prompt of {len(prompt)} tokens + max_new_tokens="
+                f"{settings.max_new_tokens} needs {needed} KV positions; cache_length="
+                f"{self._cache_length}"
+            )
+        return prompt, settings
 
     # ---- host-side checks -----------------------------------------------------------------
 

@@ -1,10 +1,11 @@
 """`dora-jax bench`: every rollout paradigm on one seeded long-tail workload, side by side.
 
 Same model initialisation, same prompts, same forced response lengths (EOS ignored until each
-request's drawn length), same trainer: only the scheduling differs, so the ratios between modes
-are what the paradigm buys. The first `warmup_iterations` of each mode pay XLA compilation and
-are left out of the throughput figures; the ledgers and traces of every mode stay under
-`WORKDIR/<mode>/` for the audit and Perfetto.
+request's drawn length), same engines, same trainer settings: only the scheduling differs, so the
+ratios between modes are what the paradigm buys. Compilation and a warm-up run of each mode come
+before anything is measured; the modes then take turns over `repeats` measured runs and each
+figure is the median. The ledgers and traces of every mode stay under `WORKDIR/<mode>/` for the
+audit and Perfetto.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 from dora_jax import models
 from dora_jax.engine import Engine
 from dora_jax.engine.request_lib import Request as EngineRequest
-from dora_jax.rollout import audit_lib, request_lib
+from dora_jax.rollout import audit_lib, ledger_lib, request_lib
 from dora_jax.rollout.config_lib import RolloutConfig, train_config
 from dora_jax.rollout.runner_lib import Rollout
 from dora_jax.rollout.trajectory_lib import Trajectory
@@ -70,18 +71,17 @@ def workload(config: ml_collections.ConfigDict, seed: int, iterations: int) -> F
     return FinitePrompts(source, iterations * (r.train_batch_size // r.group_size))
 
 
-def precompile(engines: list[Engine], trainer: Trainer, config: ml_collections.ConfigDict):
+def precompile_engines(engines: list[Engine]) -> None:
     """Compiles what a short warm-up run may miss: every prefill bucket and batch size of every
     engine (admission prefills a turn's requests together; the partial paradigm re-prefills
-    prompt + generated tokens, any length) and a training step per length bucket. The caller
-    restores the trainer's state afterwards."""
+    prompt + generated tokens, any length) and every slot move."""
     for engine in engines:
         params = engine.load_params()
         sizes = [1 << i for i in range((engine.max_concurrent_decodes - 1).bit_length() + 1)]
         for bucket in engine.prefill_buckets:
             tokens = np.ones(bucket, np.int32)
             request = EngineRequest(
-                prompt_tokens=tokens, max_new_tokens=2, ignore_eos=True, seed=0, id=(-1, 0)
+                prompt_tokens=tokens, max_new_tokens=1, ignore_eos=True, seed=0, id=(-1, 0)
             )
             for n in sizes:
                 prefix, _ = engine.prefill_requests(params, [request] * n)
@@ -96,6 +96,10 @@ def precompile(engines: list[Engine], trainer: Trainer, config: ml_collections.C
         state = engine.free_slot(state, 0)
         state = engine.import_slot(state, 1, exported)
         jax.block_until_ready(engine.free_slot(state, 1))
+
+
+def precompile_trainer(trainer: Trainer, config: ml_collections.ConfigDict) -> None:
+    """Compiles a training step per length bucket; the caller restores the trainer's state."""
     r, w = config.rollout, config.workload
     longest = w.prompt_length + w.max_length
     for bucket in config.train.length_buckets:
@@ -120,48 +124,37 @@ def precompile(engines: list[Engine], trainer: Trainer, config: ml_collections.C
             break
 
 
-def run_mode(config: ml_collections.ConfigDict, mode: str, workdir: str) -> dict[str, float]:
-    """One paradigm on the workload; returns the figures of `REPORTED` plus the audit verdict.
-
-    The engines and the trainer first run `warmup_iterations` of the same paradigm on another
-    seed's prompts (that pays every XLA compilation), the trainer is put back to its initial
-    state, and then the measured run trains the whole workload: `num_iterations` batches, the
-    same prompts and forced lengths in every mode, all of them trained. Throughput is its
-    trained tokens (prompt + response) over its wall time, start to last publish.
-    """
-    plan = plan_devices(**config.runtime.to_dict())
-    model = models.create(models.ModelConfig(**config.model.to_dict()), seed=config.seed)
-    rollout_config = RolloutConfig.from_dict(
-        {**config.rollout.to_dict(), "mode": mode, "seed": config.seed}
-    )
+def _engines(config: ml_collections.ConfigDict, model: Any, plan: Any) -> list[Engine]:
+    """One engine per generation mesh, shared by every mode. Prefill room for prompt plus a
+    whole response: only `partial` uses it (it re-prefills prompt + generated-so-far after
+    every weight update); the other modes never leave the prompt's bucket. The KV cache holds
+    exactly one prompt plus the longest response, whatever was re-prefilled, so a decode step
+    costs the same in every mode."""
     w = config.workload
-    engines = [
+    return [
         Engine(
             model,
             max_concurrent_decodes=config.engine.slots,
-            # partial re-prefills prompt + generated-so-far after every weight update.
-            max_prefill_length=w.prompt_length + (w.max_length if mode == "partial" else 0),
+            max_prefill_length=w.prompt_length + w.max_length,
             max_decode_length=w.max_length,
+            cache_length=w.prompt_length + w.max_length,
             mesh=mesh,
         )
         for mesh in plan.generation_meshes
     ]
-    trainer = Trainer(
-        model,
-        train_config(rollout_config, config.train),
-        plan.train_mesh,
-    )
-    initial = jax.tree.map(np.array, jax.device_get(trainer.state))
-    os.makedirs(workdir, exist_ok=True)
-    precompile(engines, trainer, config)
-    trainer.restore(initial)
-    if config.warmup_iterations > 0:
-        warm = dataclasses.replace(rollout_config, num_iterations=config.warmup_iterations)
-        prompts = workload(config, config.seed + 1, config.warmup_iterations)
-        warm_dir = os.path.join(workdir, "warmup")
-        os.makedirs(warm_dir, exist_ok=True)
-        Rollout(warm, engines, trainer, prompts, _parity_reward, warm_dir).run()
-        trainer.restore(initial)
+
+
+def run_mode(
+    config: ml_collections.ConfigDict,
+    rollout_config: RolloutConfig,
+    engines: list[Engine],
+    trainer: Trainer,
+    workdir: str,
+) -> dict[str, float]:
+    """One measured run of one paradigm over the whole workload (`num_iterations` batches, the
+    same prompts and forced lengths in every mode, all of them trained); returns the figures of
+    `REPORTED` plus the audit verdict. Throughput is its trained tokens (prompt + response) over
+    its wall time, start to last publish. The trainer must hold the initial state."""
     prompts = workload(config, config.seed, rollout_config.num_iterations)
     start = time.perf_counter()
     history = Rollout(rollout_config, engines, trainer, prompts, _parity_reward, workdir).run()
@@ -182,16 +175,76 @@ def run_mode(config: ml_collections.ConfigDict, mode: str, workdir: str) -> dict
     }
 
 
-def run_bench(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict[str, float]]:
-    """Runs every mode of `config.modes`, prints the table, writes `WORKDIR/bench.json`."""
-    results = {}
-    for mode in config.modes.split(","):
-        results[mode] = run_mode(config, mode, os.path.join(workdir, mode))
-        print(f"{mode}: {results[mode]}", flush=True)
+def run_bench(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict[str, Any]]:
+    """Runs every mode of `config.modes` `config.repeats` times, interleaved, and reports each
+    figure's median; prints the table and writes `WORKDIR/bench.json`.
+
+    Everything is set up and compiled once: the engines are shared by all modes, and each mode's
+    trainer (its staleness guard is the mode's own bound) compiles its steps and runs a
+    `warmup_iterations` warm-up of its mode on another seed's prompts before anything is
+    measured; the trainer then goes back to its initial state before every measured run. The
+    modes take turns, in a rotating order, so that a slow spell of a shared machine hits all of
+    them rather than one. Repeat 0 leaves its ledger and trace in `WORKDIR/<mode>/`, later
+    repeats in `WORKDIR/<mode>/repeat<r>/`; every repeat must write the same ledger.
+    """
+    modes = config.modes.split(",")
+    plan = plan_devices(**config.runtime.to_dict())
+    # The same initialisation for every mode; each trainer owns its copy (its steps donate it).
+    model_config = models.ModelConfig(**config.model.to_dict())
+    engines = _engines(config, models.create(model_config, seed=config.seed), plan)
+    precompile_engines(engines)
+    setups = {}
+    for mode in modes:
+        rollout_config = RolloutConfig.from_dict(
+            {**config.rollout.to_dict(), "mode": mode, "seed": config.seed}
+        )
+        trainer = Trainer(
+            models.create(model_config, seed=config.seed),
+            train_config(rollout_config, config.train),
+            plan.train_mesh,
+        )
+        initial = jax.tree.map(np.array, jax.device_get(trainer.state))
+        precompile_trainer(trainer, config)
+        trainer.restore(initial)
+        if config.warmup_iterations > 0:
+            warm = dataclasses.replace(rollout_config, num_iterations=config.warmup_iterations)
+            prompts = workload(config, config.seed + 1, config.warmup_iterations)
+            warm_dir = os.path.join(workdir, mode, "warmup")
+            Rollout(warm, engines, trainer, prompts, _parity_reward, warm_dir).run()
+            trainer.restore(initial)
+        setups[mode] = (rollout_config, trainer, initial)
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+    for repeat in range(config.repeats):
+        shift = repeat % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            rollout_config, trainer, initial = setups[mode]
+            run_dir = os.path.join(workdir, mode, *([f"repeat{repeat}"] if repeat else []))
+            runs[mode].append(run_mode(config, rollout_config, engines, trainer, run_dir))
+            trainer.restore(initial)
+            print(f"{mode} (repeat {repeat}): {runs[mode][-1]}", flush=True)
+    results = {mode: _summary(runs[mode], os.path.join(workdir, mode)) for mode in modes}
     with open(os.path.join(workdir, "bench.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(format_table(results))
     return results
+
+
+def _summary(runs: list[dict[str, float]], workdir: str) -> dict[str, Any]:
+    """Each figure's median over the repeats, every repeat's throughput, and whether every
+    repeat wrote the same ledger as repeat 0 (the determinism claim, checked on every bench)."""
+    summary: dict[str, Any] = {
+        k: float(np.median([r[k] for r in runs])) for k in runs[0] if k != "audit_passed"
+    }
+    summary["audit_passed"] = all(r["audit_passed"] for r in runs)
+    summary["trained_tokens_per_s_repeats"] = [r["trained_tokens_per_s"] for r in runs]
+    with open(os.path.join(workdir, ledger_lib.LEDGER_FILE), "rb") as f:
+        first = f.read()
+    identical = True
+    for repeat in range(1, len(runs)):
+        with open(os.path.join(workdir, f"repeat{repeat}", ledger_lib.LEDGER_FILE), "rb") as f:
+            identical &= f.read() == first
+    summary["ledgers_identical"] = identical
+    return summary
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:

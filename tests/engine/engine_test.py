@@ -147,6 +147,29 @@ def test_greedy_equals_repeated_argmax_of_full_forward(setup, request):
         assert completion.finish_reason == "length"
 
 
+def test_a_cache_shorter_than_prefill_plus_decode_gives_the_same_greedy_tokens(dense):
+    """cache_length only has to hold prompt + response - 1 positions; what does not fit is
+    refused up front, naming the field."""
+    engine = _engine(dense.model, sampling=SamplingParams.greedy(), cache_length=20)
+    params = engine.load_params()
+    rng = np.random.RandomState(5)
+    prompts = _prompts(rng, [16, 4, 11])
+    requests = [
+        Request(prompt_tokens=p, max_new_tokens=min(10, 21 - len(p)), ignore_eos=True, id=i)
+        for i, p in enumerate(prompts)
+    ]  # 16 + 5 and 11 + 10 use all 20 positions
+    for prompt, completion in zip(prompts, generate_all(engine, params, requests), strict=True):
+        seq = list(prompt)
+        while len(seq) < min(21, len(prompt) + 10):
+            seq.append(int(np.argmax(_full_logits(dense.fn, dense.state, seq)[-1])))
+        assert completion.tokens.tolist() == seq[len(prompt) :]
+    too_long = Request(prompt_tokens=prompts[0], max_new_tokens=6, ignore_eos=True, id="x")
+    with pytest.raises(ValueError, match="needs 21 KV positions; cache_length=20"):
+        engine.prefill_requests(params, [too_long])
+    with pytest.raises(ValueError, match="cache_length"):
+        _engine(dense.model, cache_length=15)  # below max_prefill_length=16
+
+
 @pytest.mark.parametrize(
     "sampling",
     [

@@ -1,5 +1,6 @@
 """`dora-jax bench` on a tiny config: the figures are there, the audits pass (partial fails C1
-only), and every mode trained exactly the same samples (the "identical work" claim, checked)."""
+only), every mode trained exactly the same samples (the "identical work" claim, checked), and
+every repeat of a mode wrote the same ledger."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def tiny_config():
     c = module.get_config()
     c.modes = ",".join(MODES)
     c.warmup_iterations = 1
+    c.repeats = 2
     c.model.hidden_size = 16
     c.model.intermediate_size = 32
     c.model.num_layers = 1
@@ -62,6 +64,8 @@ def test_bench_reports_every_mode_on_identical_work(tmp_path):
             assert saved[mode][key] >= 0, (mode, key)
         assert saved[mode]["trained_tokens_per_s"] > 0
         assert saved[mode]["trained_tokens"] == results[mode]["trained_tokens"]
+        assert len(saved[mode]["trained_tokens_per_s_repeats"]) == config.repeats
+        assert saved[mode]["ledgers_identical"], mode  # same seed, same config: same ledger
         report = audit_lib.audit(str(tmp_path / mode))
         if mode == "partial":
             assert not report.rules["C1"], report.format()  # re-prefill under new versions
