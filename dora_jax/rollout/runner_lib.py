@@ -278,7 +278,9 @@ class Rollout:
         """Requeues a failed instance's requests (those in its slots and those it was
         prefilling) from scratch under the newest version."""
         self.telemetry.close(x.name, self.trace.now_us())
-        for request in [*x.fail(), *prefilling]:
+        # A prefill that failed half-way may have put some of its requests in slots already.
+        requests = {r.key: r for r in [*x.fail(), *prefilling]}
+        for request in requests.values():
             request.restart(self.window.newest)
             self.queue.rebind(request.key, self.window.newest)
             self.pending[self.window.newest].appendleft(request)

@@ -52,11 +52,14 @@ class ResultTokens:
     lengths: np.ndarray
     slot_versions: np.ndarray
     version: int
+    error: str | None = None  # raised on read-back, as JAX raises a device error
 
     def copy_to_host_async(self) -> None:
         pass  # already on the host
 
     def convert_to_numpy(self) -> ResultTokens:
+        if self.error is not None:
+            raise RuntimeError(self.error)
         return self
 
     def get_result_at_slot(self, slot: int) -> SlotData:
@@ -83,6 +86,7 @@ class EngineDouble:
         max_prefill_length: int = 512,
         max_decode_length: int = 512,
         fail_after_steps: int | None = None,
+        fail_after_prefills: int | None = None,
     ):
         self.mesh = mesh
         self.max_concurrent_decodes = max_concurrent_decodes
@@ -90,6 +94,8 @@ class EngineDouble:
         self.max_decode_length = max_decode_length
         self.samples_per_slot = 1
         self.fail_after_steps = fail_after_steps
+        self.fail_after_prefills = fail_after_prefills
+        self.prefill_calls = 0
         self.steps = 0
         self.prefills = 0
 
@@ -124,6 +130,10 @@ class EngineDouble:
         """One batched prefill, row i for requests[i], as `Engine.prefill_requests`."""
         if not requests:
             raise ValueError("prefill_requests needs at least one request")
+        self.prefill_calls += 1
+        failing = (
+            self.fail_after_prefills is not None and self.prefill_calls > self.fail_after_prefills
+        )
         weights_version = int(params.state["version"])
         rows = {k: [] for k in _FIELDS}
         out = {"tokens": [], "log_probs": [], "finish": []}
@@ -158,6 +168,7 @@ class EngineDouble:
             np.ones(n, np.int64),
             np.full(n, params.version),
             params.version,
+            error="injected prefill failure" if failing else None,
         )
         return {k: np.asarray(v) for k, v in rows.items()}, result
 

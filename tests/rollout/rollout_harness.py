@@ -15,7 +15,8 @@ def make_rollout(
     *,
     num_instances: int = 3,
     slots: int = 4,
-    fail: dict[int, int] | None = None,
+    fail: dict[int, int] | None = None,  # instance -> decode steps before its engine raises
+    fail_prefill: dict[int, int] | None = None,  # instance -> prefill calls before it raises
     median_length: int = 6,
     max_length: int = 80,
     checkpoint_every: int = 0,
@@ -30,6 +31,7 @@ def make_rollout(
             sharding_lib.make_mesh([devices[1 + i % 7]], 1, 1),
             max_concurrent_decodes=slots,
             fail_after_steps=(fail or {}).get(i),
+            fail_after_prefills=(fail_prefill or {}).get(i),
         )
         for i in range(num_instances)
     ]

@@ -107,15 +107,17 @@ def test_same_seed_gives_the_same_ledger(tmp_path_factory, setup):
 
 
 @settings(max_examples=20, deadline=None)
-@given(setup=setups(), fail_at=st.integers(1, 30))
-def test_failed_instance_requests_are_regenerated(tmp_path_factory, setup, fail_at):
+@given(setup=setups(), fail_at=st.integers(1, 30), stage=st.sampled_from(["decode", "prefill"]))
+def test_failed_instance_requests_are_regenerated(tmp_path_factory, setup, fail_at, stage):
     setup["num_instances"] = max(setup["num_instances"], 2)
     workdir = str(tmp_path_factory.mktemp("run"))
-    rollout, trainer, engines = make_rollout(workdir, fail={0: fail_at}, max_length=60, **setup)
+    fail = {"fail" if stage == "decode" else "fail_prefill": {0: fail_at}}
+    rollout, trainer, engines = make_rollout(workdir, max_length=60, **fail, **setup)
     rollout.run()
     report = audit_lib.audit(workdir)
     assert report.rules["C2"] and report.rules["C3"], report.format()
-    if engines[0].steps > fail_at:  # the failure happened
+    calls = engines[0].steps if stage == "decode" else engines[0].prefill_calls
+    if calls > fail_at:  # the failure happened
         assert rollout.totals["failed_instances"] == 1
         assert not rollout.instances[0].healthy
         events = ledger_lib.read(workdir)
@@ -167,3 +169,25 @@ def test_length_bias_is_reported_against_numpy(tmp_path, mode):
     assert report.trained_lengths.p99 == pytest.approx(np.percentile(lengths, 99))
     finished = lengths + [len(t.response_tokens) for t in rollout.queue.queued()]
     assert report.finished_lengths.p50 == pytest.approx(np.percentile(finished, 50))
+
+
+def test_a_prefill_that_fails_half_way_requeues_each_request_once(tmp_path):
+    """Two length buckets make two engine calls; the second fails on read-back (as a device
+    error surfaces in JAX) after the first batch is already in its slots."""
+    rollout, _, engines = make_rollout(
+        str(tmp_path), num_instances=2, slots=4, group_size=2, train_batch_size=2,
+        rollout_batch_size=4, num_iterations=2, max_length=80, median_length=40, seed=3,
+    )  # fmt: skip
+    x = rollout.instances[0]
+    rollout.load(x, 0, None)
+    rollout.dispatch_group(0)
+    short, long = rollout.pending[0].popleft(), rollout.pending[0].popleft()
+    long.tokens = [1] * 20  # as if re-prefilled after 20 tokens: a larger bucket
+    assert long.max_new_tokens > 21 and x.engine.bucket_for(8) != x.engine.bucket_for(28)
+    engines[0].fail_after_prefills = engines[0].prefill_calls + 1
+    rollout.start([(x, [(short, 0), (long, 1)])])
+    assert not x.healthy
+    requeued = [r.key for q in rollout.pending.values() for r in q]
+    assert sorted(requeued) == sorted([short.key, long.key])
+    assert rollout.totals["requeued"] == 2
+    assert all(not r.started and not r.tokens for q in rollout.pending.values() for r in q)
