@@ -125,19 +125,14 @@ class Engine:
         self._slots = int(max_concurrent_decodes)
         self._max_prefill_length = int(max_prefill_length)
         self._max_decode_length = int(max_decode_length)
-        self._cache_length = (
-            self._max_prefill_length + self._max_decode_length
-            if cache_length is None
-            else cache_length
-        )
-        if int(self._cache_length) != self._cache_length or not (
-            self._max_prefill_length <= self._cache_length
-        ):
+        if cache_length is None:
+            cache_length = self._max_prefill_length + self._max_decode_length
+        if int(cache_length) != cache_length or cache_length < self._max_prefill_length:
             raise ValueError(
                 f"cache_length must be an integer >= max_prefill_length="
                 f"{self._max_prefill_length}, got {cache_length!r}"
             )
-        self._cache_length = int(self._cache_length)
+        self._cache_length = int(cache_length)
         self._mesh = mesh if mesh is not None else sharding_lib.make_mesh(jax.devices()[:1], 1, 1)
         self._rules = dict(rules)
         self._cache_dtype = cache_dtype if cache_dtype is not None else model.dtype
