@@ -27,7 +27,7 @@ from dora_jax.rollout import audit_lib, ledger_lib, request_lib
 from dora_jax.rollout.config_lib import RolloutConfig, train_config
 from dora_jax.rollout.runner_lib import Rollout
 from dora_jax.rollout.trajectory_lib import Trajectory
-from dora_jax.runtime.devices_lib import plan_devices
+from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
 from dora_jax.train import Trainer
 
 REPORTED = ("trained_tokens_per_s", "rollout_time_s", "step_time_s", "bubble_fraction",
@@ -124,7 +124,9 @@ def precompile_trainer(trainer: Trainer, config: ml_collections.ConfigDict) -> N
             break
 
 
-def _engines(config: ml_collections.ConfigDict, model: Any, plan: Any) -> list[Engine]:
+def _engines(
+    config: ml_collections.ConfigDict, model: models.Transformer, plan: DevicePlan
+) -> list[Engine]:
     """One engine per generation mesh, shared by every mode. Prefill room for prompt plus a
     whole response: only `partial` uses it (it re-prefills prompt + generated-so-far after
     every weight update); the other modes never leave the prompt's bucket. The KV cache holds

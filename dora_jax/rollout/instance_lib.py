@@ -1,13 +1,13 @@
 """A rollout instance: one generation mesh, one engine, its decode slots, one version at a time.
 
 The instance holds a real copy of its version's params on its own devices; loading another
-version replaces (and so frees) it. It drives the engine through JetStream's API
-(`prefill` / `insert` / `generate`) plus the slot moves DORA needs (`export_slot`,
-`import_slot`, `free_slot`); params are the engine's `PolicyParams` (state + version), placed
-with `engine.shard_params`, and each token's version is the engine's tag on its result.
-`dispatch_generate` only enqueues the decode step (JAX async dispatch), so the controller
-can start every instance's step before it reads any token back: that is where generation
-meshes overlap with each other and with the trainer.
+version replaces (and so frees) it. It drives the engine through its batched
+`prefill_requests` and JetStream's `insert` / `generate`, plus the slot moves DORA needs
+(`export_slot`, `import_slot`, `free_slot`); params are the engine's `PolicyParams` (state +
+version), placed with `engine.shard_params`, and each token's version is the engine's tag on its
+result. `dispatch_prefill` and `dispatch_generate` only enqueue work (JAX async dispatch), so the
+controller can start every instance's work before it reads any token back: that is where
+generation meshes overlap with each other and with the trainer.
 """
 
 from __future__ import annotations

@@ -211,8 +211,9 @@ class Rollout:
         self.start(batches)
 
     def start(self, batches: list[tuple[RolloutInstance, list[tuple[Request, int]]]]) -> None:
-        """Prefills each instance's (request, slot) pairs in one engine call per instance; every
-        instance's prefill is enqueued before any is read back, so they overlap."""
+        """Prefills each instance's (request, slot) pairs, one engine call per instance and
+        length bucket; every instance's prefill is enqueued before any is read back, so they
+        overlap."""
         t0 = self.trace.now_us()
         started = []
         for x, starts in batches:
