@@ -102,11 +102,7 @@ class Partial(Paradigm):
 
     def rebalance(self, r: Rollout, triggers: set[str]) -> None:
         newest = r.window.newest
-        for version in [v for v in r.pending if v != newest]:  # not started: just rebind
-            for request in r.pending.pop(version):
-                request.version = newest
-                r.queue.rebind(request.key, newest)
-                r.pending[newest].append(request)
+        r.rebind_pending(list(r.pending))  # not started: just rebind
         holder = None
         for x in r.healthy():
             if x.version == newest:
@@ -126,6 +122,11 @@ class Dora(Paradigm):
     and staleness-aware filling of spare slots."""
 
     def rebalance(self, r: Rollout, triggers: set[str]) -> None:
+        # Work not started yet under a version no instance hosts would wait for an instance that
+        # a tail or a newer version holds; under the newest version it starts sooner, fresher.
+        hosted = {x.version for x in r.healthy()}
+        moved = r.rebind_pending([v for v in list(r.pending) if v not in hosted])
+        r.telemetry.counters["rebound"] += moved
         if not triggers:
             return
         healthy = r.healthy()

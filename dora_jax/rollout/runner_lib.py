@@ -18,7 +18,7 @@ import collections
 import concurrent.futures
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -294,11 +294,22 @@ class Rollout:
     def _rehome_orphans(self) -> None:
         """Pending work of a version no instance holds any more goes to the newest version."""
         hosted = {x.version for x in self.healthy()} | set(self.staged)
-        for version in [v for v, q in self.pending.items() if q and v not in hosted]:
+        self.rebind_pending(v for v in list(self.pending) if v not in hosted)
+
+    def rebind_pending(self, versions: Iterable[int]) -> int:
+        """Binds the not-yet-started requests of `versions` to the newest version; returns how
+        many moved. Safe for every rule: nothing of them was sampled yet (C1), and a group's
+        deadline (its oldest sample version + K) can only move later, so every deadline's
+        count of groups due, which the window's admission bounded, can only fall (C3)."""
+        newest = self.window.newest
+        moved = 0
+        for version in [v for v in versions if v != newest and self.pending.get(v)]:
             for request in self.pending.pop(version):
-                request.version = self.window.newest
-                self.queue.rebind(request.key, self.window.newest)
-                self.pending[self.window.newest].append(request)
+                request.version = newest
+                self.queue.rebind(request.key, newest)
+                self.pending[newest].append(request)
+                moved += 1
+        return moved
 
     # -- weights and migrations -------------------------------------------------------------
 

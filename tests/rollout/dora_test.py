@@ -92,3 +92,28 @@ def test_dora_fills_slots_better_than_sync(tmp_path):
         rollout.run()
         occupancy[mode] = rollout.tick  # logical decode steps for the same trained work
     assert occupancy["dora"] < occupancy["sync"]
+
+
+def test_unstarted_work_of_an_unhosted_version_moves_to_the_newest(tmp_path):
+    """Requests not started yet, bound to a version that no instance hosts, start under the
+    newest version instead of waiting for an instance; a hosted version keeps its own; the
+    groups' deadlines only move later (C3's admission stays valid)."""
+    k = 4
+    rollout, _, _ = make_rollout(
+        str(tmp_path), mode="dora", num_instances=2, slots=4, group_size=4,
+        train_batch_size=8, rollout_batch_size=64, staleness_bound=k, num_iterations=8,
+    )  # fmt: skip
+    rollout.load(rollout.instances[0], 0, None)  # v0 hosted; v1 hosted nowhere
+    rollout.window.newest = 2
+    for version in (0, 1, 1):
+        rollout.dispatch_group(version)
+    assert sorted(rollout.queue.deadlines()) == [0 + k, 1 + k, 1 + k]
+
+    rollout.paradigm.rebalance(rollout, triggers=set())
+
+    assert [r.key[0] for r in rollout.pending[0]] == [0] * 4
+    assert not rollout.pending.get(1)
+    assert sorted(r.key[0] for r in rollout.pending[2]) == [1] * 4 + [2] * 4
+    assert all(r.version == 2 and not r.started for r in rollout.pending[2])
+    assert sorted(rollout.queue.deadlines()) == [0 + k, 2 + k, 2 + k]
+    assert rollout.telemetry.counters["rebound"] == 8
