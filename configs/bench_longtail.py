@@ -14,7 +14,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.num_cpu_devices = 8
+    c.num_cpu_devices = 4
     c.modes = "sync,one_step_off,partial,dora"
     # A warm-up run of this many iterations (another seed's prompts) before the measured run,
     # after explicit compilation of every prefill bucket, slot move and trainer bucket; the
@@ -37,8 +37,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.runtime = ml_collections.ConfigDict()
     # Rollout gets most of the machine, as in real RL deployments; on CPU every virtual device
     # shares the same 2 cores, and fewer, wider instances cost less per decoded token (one
-    # XLA program per instance per step: ~0.8 ms for 16 slots vs ~1 ms for 8, measured).
-    c.runtime.train_devices = 2
+    # XLA program per instance per step: ~0.8 ms for 16 slots vs ~1 ms for 8, measured). One
+    # training device: a step took 0.104 s on 1 virtual device and 0.107 s on 2 (fsdp buys
+    # nothing on 2 shared cores), and one device leaves the other core to decoding.
+    c.runtime.train_devices = 1
     c.runtime.train_tp = 1
     c.runtime.num_instances = 3
     c.runtime.devices_per_instance = 1
@@ -57,9 +59,13 @@ def get_config() -> ml_collections.ConfigDict:
     # RBS applies to dora and partial only; sync and one_step_off generate exactly their batch.
     c.rollout.rollout_batch_size = 160
     c.rollout.group_size = 4
-    # K bounds how far a version's long tail may lag (dora and partial): a sample of the
-    # max_length must finish within K+1 iterations, so with K=2 the tail throttles the window.
-    c.rollout.staleness_bound = 3
+    # K bounds how far a version's long tail may lag (dora and partial): a group is due K
+    # iterations after its version, so a max_length response (160 decode steps) plus its wait
+    # for a slot must fit in K iterations of ~publish_delay_steps (40) decode steps, or the
+    # trainer waits for it. Measured on the logical schedule (same for any machine): 2061
+    # decode steps for the workload at K=3, 1566 at K=5, 1466 at K=6, 1431 at K=8, against a
+    # floor of 36 x 40 = 1440 set by the trainer.
+    c.rollout.staleness_bound = 6
     c.rollout.num_iterations = 36
     c.rollout.timer_steps = 8
     # About one training step (~0.12 s while decode competes) in decode steps (~3 ms), so the
