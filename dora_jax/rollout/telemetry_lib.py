@@ -62,6 +62,12 @@ class Telemetry:
     # -- occupancy ------------------------------------------------------------------------
 
     def decode_step(self, busy_slots: list[int], seconds: float) -> None:
+        # Logical counts beside the timings: the same on any machine for the same config and
+        # seed, so modes compare without the noise of a shared host. An instance's step costs
+        # about the same however many of its slots are busy, so instance steps are the decode
+        # cost of a schedule.
+        self.counters["decode_steps"] += 1
+        self.counters["instance_steps"] += sum(1 for busy in busy_slots if busy)
         for i, busy in enumerate(busy_slots):
             self.busy_slot_time[i] += busy * seconds
             self.busy_time[i] += seconds if busy else 0.0

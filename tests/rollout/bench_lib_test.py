@@ -80,3 +80,10 @@ def test_bench_reports_every_mode_on_identical_work(tmp_path):
     assert {p for p, _, _ in work["sync"]} == set(range(groups))
     for mode in MODES:
         assert work[mode] == work["sync"], mode
+        # Each response token after the first (sampled at prefill) took a slot in one
+        # instance's decode step; an instance step has `slots` slots, a decode step
+        # `num_instances` instance steps. (partial decodes no fewer: it re-prefills.)
+        decoded = sum((length - 1) * n for (_, _, length), n in work[mode].items())
+        steps, instance_steps = saved[mode]["decode_steps"], saved[mode]["instance_steps"]
+        assert instance_steps * config.engine.slots >= decoded, mode
+        assert steps <= instance_steps <= config.runtime.num_instances * steps, mode

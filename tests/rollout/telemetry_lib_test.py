@@ -24,10 +24,12 @@ def test_occupancy_is_per_decoding_time_and_bubbles_count_every_wait(steps, wait
 
     # Brute force, instance by instance and step by step.
     filled, capacity, decoding = np.zeros(3), np.zeros(3), np.zeros(3)
+    instance_steps = 0
     for seconds, busy in steps:
         for i in range(3):
             b = min(busy[i], slots[i])
             if b:
+                instance_steps += 1
                 filled[i] += b * seconds
                 capacity[i] += slots[i] * seconds
                 decoding[i] += seconds
@@ -37,3 +39,5 @@ def test_occupancy_is_per_decoding_time_and_bubbles_count_every_wait(steps, wait
         assert np.isclose(m[f"slot_occupancy/instance{i}"], want)
     assert np.isclose(m["slot_occupancy"], filled.sum() / capacity.sum() if capacity.any() else 0)
     assert np.isclose(m["bubble_fraction"], 1 - decoding.sum() / (3 * wall))
+    assert m["decode_steps"] == len(steps)
+    assert m["instance_steps"] == instance_steps
