@@ -62,9 +62,9 @@ def get_config() -> ml_collections.ConfigDict:
     # K bounds how far a version's long tail may lag (dora and partial): a group is due K
     # iterations after its version, so a max_length response (160 decode steps) plus its wait
     # for a slot must fit in K iterations of ~publish_delay_steps (40) decode steps, or the
-    # trainer waits for it. Measured on the logical schedule (same for any machine): 2061
-    # decode steps for the workload at K=3, 1566 at K=5, 1466 at K=6, 1431 at K=8, against a
-    # floor of 36 x 40 = 1440 set by the trainer.
+    # trainer waits for it. dora's schedule (logical, the same on any machine; the bench's
+    # `instance_steps`): 5953 instance steps at K=3, 4562 at K=5, 4244 at K=6, 4102 at K=8;
+    # at K=6 its 1464 decode steps are near the trainer's floor of 36 x 40 = 1440.
     c.rollout.staleness_bound = 6
     c.rollout.num_iterations = 36
     c.rollout.timer_steps = 8
