@@ -458,7 +458,7 @@ class Engine:
 
     def _check_shape(self, rows: SlotState, what: str) -> None:
         c = self.config
-        layers, _, length, heads, dim = rows.cache.k.shape
+        layers, _, heads, length, dim = rows.cache.k.shape
         if (layers, heads, dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
             raise ValueError(f"{what} was made by a different model (cache {rows.cache.k.shape})")
         if length > self._cache_length:
@@ -501,8 +501,8 @@ class Engine:
         rules = {**self._rules, "slots": slots_axis}
         rows = self._slots if slots_axis else 1
         spec = sharding_lib.partition_spec(
-            (c.num_layers, rows, self._cache_length, c.num_kv_heads, c.head_dim),
-            (None, "slots", None, "kv_heads", None),
+            (c.num_layers, rows, c.num_kv_heads, self._cache_length, c.head_dim),
+            (None, "slots", "kv_heads", None, None),
             self._mesh,
             rules,
         )
@@ -599,10 +599,10 @@ class Engine:
         return new, *_pack(token, step, generated, finish, ds.version, log_prob)
 
     def _insert_impl(self, ds: SlotState, rows: SlotState, index):
-        length = rows.cache.k.shape[2]
+        length = rows.cache.k.shape[3]
 
         def put_cache(dst, src):
-            return dst.at[:, index, :length].set(src.astype(dst.dtype), mode="drop")
+            return dst.at[:, index, :, :length].set(src.astype(dst.dtype), mode="drop")
 
         put = lambda dst, src: dst.at[index].set(src.astype(dst.dtype), mode="drop")
         fields = {f: put(getattr(ds, f), getattr(rows, f)) for f in SlotState._fields[1:]}

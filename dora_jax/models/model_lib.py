@@ -14,6 +14,7 @@ overwrites each position before any query reaches it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -27,14 +28,19 @@ _INIT_STD = 0.02
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer: each [layers, batch, max_len, kv_heads, head_dim]."""
+    """Keys and values of every layer: each [layers, batch, kv_heads, max_len, head_dim].
+
+    Head-major, so each (row, kv head) is one contiguous [max_len, head_dim] matrix and
+    attention's two products are plain batched matmuls: a decode step measured 2x faster on CPU
+    than with [layers, batch, max_len, kv_heads, head_dim].
+    """
 
     k: jax.Array
     v: jax.Array
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype: Any) -> KVCache:
-        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
@@ -106,8 +112,9 @@ class Attention(nnx.Module):
         self,
         x: jax.Array,
         positions: jax.Array,
-        layer_cache: tuple[jax.Array, jax.Array] | None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        cache: KVCache | None,
+        layer: int,
+    ) -> tuple[jax.Array, KVCache | None]:
         c = self.config
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
@@ -118,30 +125,35 @@ class Attention(nnx.Module):
         q = rope_lib.apply_rotary(q, positions, self.inv_freq, self.attention_factor)
         k = rope_lib.apply_rotary(k, positions, self.inv_freq, self.attention_factor)
 
-        if layer_cache is None:
-            keys, values, key_positions = k, v, positions
-            new_cache = None
+        if cache is None:
+            keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+            key_positions = positions
         else:
-            cache_k, cache_v = layer_cache
             rows = jnp.arange(b)[:, None]
-            # Positions past the cache end are dropped by the scatter (JAX's default mode).
-            cache_k = cache_k.at[rows, positions].set(k.astype(cache_k.dtype))
-            cache_v = cache_v.at[rows, positions].set(v.astype(cache_v.dtype))
-            keys, values = cache_k, cache_v
-            key_positions = jnp.broadcast_to(jnp.arange(cache_k.shape[1]), (b, cache_k.shape[1]))
-            new_cache = (cache_k, cache_v)
+            # Written into the whole cache, layer by layer, so a donated cache is updated in
+            # place. Positions past the cache end are dropped by the scatter (JAX's default).
+            cache = KVCache(
+                cache.k.at[layer, rows, :, positions].set(k.astype(cache.k.dtype)),
+                cache.v.at[layer, rows, :, positions].set(v.astype(cache.v.dtype)),
+            )
+            keys, values = cache.k[layer], cache.v[layer]
+            key_positions = jnp.broadcast_to(jnp.arange(keys.shape[2]), (b, keys.shape[2]))
 
         groups = c.num_heads // c.num_kv_heads
-        q = q.reshape(b, t, c.num_kv_heads, groups, c.head_dim)
+        # Query heads of one kv head, [b, kv_heads, groups * t, d]; head h = kv * groups + g.
+        q = q.reshape(b, t, c.num_kv_heads, groups, c.head_dim).transpose(0, 2, 3, 1, 4)
+        q = q.reshape(b, c.num_kv_heads, groups * t, c.head_dim)
         scores = jnp.einsum(
-            "btkgd,bskd->bkgts", q.astype(jnp.float32), keys.astype(jnp.float32)
+            "bkqd,bksd->bkqs", q.astype(jnp.float32), keys.astype(jnp.float32)
         ) / jnp.sqrt(jnp.float32(c.head_dim))
+        scores = scores.reshape(b, c.num_kv_heads, groups, t, -1)
         visible = key_positions[:, None, :] <= positions[:, :, None]  # [b, t, s]
         scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(jnp.float32))
+        probs = jax.nn.softmax(scores, axis=-1).reshape(b, c.num_kv_heads, groups * t, -1)
+        out = jnp.einsum("bkqs,bksd->bkqd", probs, values.astype(jnp.float32))
+        out = out.reshape(b, c.num_kv_heads, groups, t, c.head_dim).transpose(0, 3, 1, 2, 4)
         out = out.reshape(b, t, c.num_heads * c.head_dim).astype(x.dtype)
-        return self.o_proj(out), new_cache
+        return self.o_proj(out), cache
 
 
 class MLP(nnx.Module):
@@ -210,14 +222,14 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(c, c.intermediate_size, rngs, param_dtype, dtype)
 
-    def __call__(self, x, positions, layer_cache):
-        attn_out, layer_cache = self.self_attn(self.input_layernorm(x), positions, layer_cache)
+    def __call__(self, x, positions, cache, layer):
+        attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache, layer)
         x = x + attn_out
         ff = self.mlp(self.post_attention_layernorm(x))
         load = None
         if isinstance(ff, tuple):
             ff, load = ff
-        return x + ff, layer_cache, load
+        return x + ff, cache, load
 
 
 class Transformer(nnx.Module):
@@ -265,13 +277,9 @@ class Transformer(nnx.Module):
         [batch, seq, vocab] in float32 is gigabytes at real vocabulary sizes.
         """
         x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)
-        new_k, new_v, loads = [], [], []
+        loads = []
         for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-            x, layer_cache, load = layer(x, positions, layer_cache)
-            if layer_cache is not None:
-                new_k.append(layer_cache[0])
-                new_v.append(layer_cache[1])
+            x, cache, load = layer(x, positions, cache, i)
             if load is not None:
                 loads.append(load)
         if logits_at is not None:
@@ -279,9 +287,8 @@ class Transformer(nnx.Module):
         x = self.norm(x).astype(jnp.float32)
         head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         logits = x @ head.astype(jnp.float32)
-        new_cache = None if cache is None else KVCache(jnp.stack(new_k), jnp.stack(new_v))
         expert_load = jnp.stack(loads) if loads else jnp.zeros((0, 0), jnp.int32)
-        return ForwardOutput(logits, new_cache, expert_load)
+        return ForwardOutput(logits, cache, expert_load)
 
 
 def create(config: ModelConfig, seed: int = 0, **kwargs: Any) -> Transformer:
@@ -302,6 +309,15 @@ class Functional:
     """
 
     graphdef: Any
+
+    # A Functional is a static argument of the trainer's jitted steps, hashed on every call;
+    # hashing a graph walks all of its nodes, so the hash is computed once.
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(self.graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def of(cls, model: Transformer) -> tuple[Functional, Any]:

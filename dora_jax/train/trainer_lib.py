@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -149,48 +149,51 @@ class Trainer:
         adv = np.asarray(advantage_lib.compute(rewards.reshape(-1, cfg.group_size), cfg))
         adv = adv.reshape(-1)
         lengths = batch_lib.loss_lengths(samples, cfg.mask_truncated)
-        sums: dict[str, Any] = defaultdict(float)
-        ratio_max, losses, grad_norms, oks, padded = [], [], [], [], 0
+        micro_sums, losses, grad_norms, oks, padded = [], [], [], [], 0
         for m in range(cfg.mini_batches):
             rows = np.arange(m * cfg.mini_batch_size, (m + 1) * cfg.mini_batch_size)
             weights = np.zeros(len(samples), np.float32)
             weights[rows] = loss_lib.sample_weights(lengths[rows], cfg.aggregation, cfg.t_max)
-            acc = jax.tree.map(jnp.zeros_like, self._params)  # keeps each leaf's sharding
-            loss = jnp.float32(0.0)
+            grads = _zero_grads(self._flat_shardings, self._params)
+            mini_losses = []
             for mb in batch_lib.micro_batches(
                 samples, rows, cfg.micro_batch, cfg.length_buckets, cfg.mask_truncated
             ):
                 padded += mb.tokens.size
                 inputs = self._inputs(mb, samples, adv, weights)
-                acc, micro_sums = _accumulate(
-                    self._fn, cfg, self._flat_shardings, self._params, acc, inputs
+                grads, sums = _accumulate(
+                    self._fn, cfg, self._flat_shardings, self._params, grads, inputs
                 )
-                loss = loss + micro_sums.pop("loss")
-                ratio_max.append(micro_sums.pop("ratio_max"))
-                for k, v in micro_sums.items():
-                    sums[k] = sums[k] + v
-            self._params, self._opt_state, grad_norm, ok = _apply(
+                mini_losses.append(sums["loss"])
+                micro_sums.append(sums)
+            self._params, self._opt_state, loss, grad_norm, ok = _apply(
                 cfg,
                 self._flat_shardings,
                 self._flat_opt_shardings,
                 self._params,
                 self._opt_state,
-                acc,
-                loss,
+                grads,
+                mini_losses,
             )
             losses.append(loss)
             grad_norms.append(grad_norm)
             oks.append(ok)
-        ok_host = np.asarray(jax.device_get(oks))
+        # Every figure of the step comes back in one device-to-host copy; no small eager op
+        # runs between the micro-batches.
+        micro_sums, losses, grad_norms, ok_host = jax.device_get(
+            (micro_sums, losses, grad_norms, oks)
+        )
+        ok_host = np.asarray(ok_host)
         self._skipped += int((~ok_host).sum())
         self._optimizer_steps += int(ok_host.sum())
-        sums = {k: float(v) for k, v in jax.device_get(dict(sums)).items()}
+        ratio_max = max(float(m.pop("ratio_max")) for m in micro_sums)
+        sums = {k: float(sum(m[k] for m in micro_sums)) for k in micro_sums[0] if k != "loss"}
         tokens = max(sums.pop("tokens"), 1.0)
         metrics = {
-            "loss": float(np.mean(jax.device_get(losses))),
-            "grad_norm": float(np.mean(jax.device_get(grad_norms))),
+            "loss": float(np.mean(losses)),
+            "grad_norm": float(np.mean(grad_norms)),
             "ratio_mean": sums.pop("ratio_sum") / tokens,
-            "ratio_max": float(np.max(jax.device_get(ratio_max))),
+            "ratio_max": ratio_max,
             "entropy": sums.pop("entropy_sum") / tokens,
             "tokens": tokens,
             "pad_fraction": 1.0
@@ -243,13 +246,13 @@ class Trainer:
     def _copy(self, params: Any) -> Any:
         return jax.device_put(params, self._shardings, may_alias=False)
 
-    def _place(self, mb: batch_lib.MicroBatch) -> tuple[jax.Array, ...]:
-        """Puts a micro-batch's arrays on the mesh, rows split over `fsdp` when they divide."""
+    def _place(self, mb: batch_lib.MicroBatch, *extra: np.ndarray) -> tuple[jax.Array, ...]:
+        """Puts a micro-batch's arrays (and `extra` per-row arrays) on the mesh in one
+        transfer, rows split over `fsdp` when they divide."""
         fsdp = self.mesh.shape["fsdp"]
         spec = PartitionSpec("fsdp") if len(mb.rows) % fsdp == 0 else PartitionSpec()
-        sharding = NamedSharding(self.mesh, spec)
-        arrays = (mb.tokens, mb.positions, mb.targets, mb.mask, mb.behaviour_logp)
-        return tuple(jax.device_put(a, sharding) for a in arrays)
+        arrays = (mb.tokens, mb.positions, mb.targets, mb.mask, mb.behaviour_logp, *extra)
+        return tuple(jax.device_put(arrays, NamedSharding(self.mesh, spec)))
 
     def _inputs(
         self,
@@ -258,15 +261,19 @@ class Trainer:
         adv: np.ndarray,
         weights: np.ndarray,
     ) -> dict[str, Any]:
-        tokens, positions, targets, mask, behaviour = self._place(mb)
+        # The weights are built on the host, so the micro-batch goes over in one transfer and
+        # no small eager op runs per micro-batch.
+        tokens, positions, targets, mask, behaviour, advantages, weights = self._place(
+            mb, adv[mb.rows].astype(np.float32), mb.mask * weights[mb.rows][:, None]
+        )
         inputs: dict[str, Any] = {
             "tokens": tokens,
             "positions": positions,
             "targets": targets,
             "mask": mask,
             "behaviour_logp": behaviour,
-            "advantages": jnp.asarray(adv[mb.rows]),
-            "weights": mask * jnp.asarray(weights[mb.rows])[:, None],
+            "advantages": advantages,
+            "weights": weights,
             "ref_logp": None,
             "train_behaviour_logp": None,
         }
@@ -294,6 +301,12 @@ def _constrain(tree: Any, shardings: tuple[NamedSharding, ...]) -> Any:
     return jax.lax.with_sharding_constraint(
         tree, jax.tree.unflatten(jax.tree.structure(tree), shardings)
     )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _zero_grads(shardings: tuple[NamedSharding, ...], params: Any) -> Any:
+    """A zero gradient per param, on its sharding (one call, not one op per leaf)."""
+    return _constrain(jax.tree.map(jnp.zeros_like, params), shardings)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
@@ -336,9 +349,12 @@ def _apply(
     params: Any,
     opt_state: Any,
     grads: Any,
-    loss: jax.Array,
+    micro_losses: list[jax.Array],
 ):
-    """One optimizer step, or none (bit-identical state) if the loss or gradient is not finite."""
+    """One optimizer step, or none (bit-identical state) if the loss or gradient is not finite.
+    Returns the new params and optimizer state, the mini-batch's loss (the sum of its
+    micro-batches' pre-weighted losses), its gradient norm and whether the step was applied."""
+    loss = sum(micro_losses)
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
     updates, new_opt_state = optimizer_lib.make(config).update(grads, opt_state, params)
@@ -347,6 +363,7 @@ def _apply(
     return (
         _constrain(jax.tree.map(keep, new_params, params), shardings),
         _constrain(jax.tree.map(keep, new_opt_state, opt_state), opt_shardings),
+        loss,
         grad_norm,
         ok,
     )
