@@ -8,6 +8,7 @@ earliest-deadline-first so that no group outlives the staleness bound (C3).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -102,10 +103,12 @@ class TrajectoryQueue:
         if len(complete) < b:
             return None
         chosen = complete[:b]
-        all_deadlines = self.deadlines()
-        chosen_deadlines = [self.deadline(g) for g in chosen]
-        for d in set(all_deadlines):
-            left = sum(x <= d for x in all_deadlines) - sum(x <= d for x in chosen_deadlines)
+        # Groups left behind that are due by d, for each deadline d in increasing order.
+        left_behind = collections.Counter(self.deadlines())
+        left_behind.subtract(self.deadline(g) for g in chosen)
+        left = 0
+        for d in sorted(left_behind):
+            left += left_behind[d]
             if left > (d - iteration) * b:
                 return None
         for g in chosen:

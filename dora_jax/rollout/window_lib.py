@@ -9,6 +9,8 @@ by its deadline: for every deadline d, the groups due by d fit in the iterations
 
 from __future__ import annotations
 
+import collections
+
 from dora_jax.rollout.queue_lib import TrajectoryQueue
 
 
@@ -33,8 +35,14 @@ class VersionWindow:
         deadline = version + self.k
         if version > self.newest or deadline < next_iteration:
             return False
-        deadlines = self.queue.deadlines() + [deadline] * new_groups
+        due = collections.Counter(self.queue.deadlines())
+        due[deadline] += new_groups
         b = self.queue.groups_per_batch
-        return all(
-            sum(x <= d for x in deadlines) <= (d - next_iteration + 1) * b for d in set(deadlines)
-        )
+        # Groups due by d, for each deadline d in increasing order (one pass: this runs for
+        # every group a turn dispatches).
+        total = 0
+        for d in sorted(due):
+            total += due[d]
+            if total > (d - next_iteration + 1) * b:
+                return False
+        return True
