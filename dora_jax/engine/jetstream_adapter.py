@@ -159,7 +159,7 @@ class JetStreamEngine(engine_api.Engine):
     def generate(self, params: PolicyParams, decode_state: AdapterDecodeState):
         if not isinstance(params, PolicyParams):
             raise TypeError("params must be PolicyParams (see JetStreamEngine.load_params)")
-        decode_state, data = self._step_jit(params.state, decode_state)
+        decode_state, data = self._step_jit(params.leaves, decode_state)
         result = engine_api.ResultTokens(
             data=data,
             tokens_idx=(0, 1),
@@ -207,9 +207,10 @@ class JetStreamEngine(engine_api.Engine):
 
     # ---- implementation -------------------------------------------------------------------
 
-    def _step_impl(self, state: Any, decode_state: AdapterDecodeState):
+    def _step_impl(self, leaves: Any, decode_state: AdapterDecodeState):
+        # Params come as `PolicyParams.leaves`, as in the engine's own jitted calls.
         ds, pending = decode_state
         emitted = jnp.stack([ds.tokens, pending.astype(jnp.int32), ds.generated], axis=-1)
-        new_ds, _, _ = self.engine._generate_impl(state, ds)
+        new_ds, _, _ = self.engine._generate_impl(self.engine._unflatten(leaves), ds)
         # A slot that decoded this step has a fresh token to emit next step.
         return AdapterDecodeState(new_ds, ds.active), emitted.astype(jnp.int32)

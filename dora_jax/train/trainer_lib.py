@@ -161,11 +161,11 @@ class Trainer:
             ):
                 padded += mb.tokens.size
                 inputs = self._inputs(mb, samples, adv, weights)
-                grads, sums = _accumulate(
+                grads, micro = _accumulate(
                     self._fn, cfg, self._flat_shardings, self._params, grads, inputs
                 )
-                mini_losses.append(sums["loss"])
-                micro_sums.append(sums)
+                mini_losses.append(micro["loss"])
+                micro_sums.append(micro)
             self._params, self._opt_state, loss, grad_norm, ok = _apply(
                 cfg,
                 self._flat_shardings,
