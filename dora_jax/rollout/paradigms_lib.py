@@ -37,12 +37,14 @@ class Paradigm:
     def top_up(self, r: Rollout) -> None:
         """Keeps RBS samples outstanding, all new ones under the newest version."""
         g = r.config.group_size
+        outstanding = sum(r.outstanding().values())
         while (
-            sum(r.outstanding().values()) + g <= r.rollout_batch_size
+            outstanding + g <= r.rollout_batch_size
             and prompts_left(r) > 0
             and r.window.admits(r.window.newest, r.selected)
         ):
             r.dispatch_group(r.window.newest)
+            outstanding += g
 
     def rebalance(self, r: Rollout, triggers: set[str]) -> None:
         """An empty instance takes the oldest version with work waiting (no migrations)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from dora_jax.rollout.trajectory_lib import Trajectory
@@ -33,6 +34,9 @@ class TrajectoryQueue:
         self.k = staleness_bound
         self.groups_per_batch = groups_per_batch
         self._groups: dict[int, Group] = {}  # untrained groups by prompt id, in dispatch order
+        # Untrained groups per deadline, kept up to date on every change: the window's
+        # admission test reads it for every group a turn dispatches.
+        self._due: collections.Counter[int] = collections.Counter()
         self._seq = 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -53,30 +57,34 @@ class TrajectoryQueue:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._seq = state["seq"]
         self._groups = {}
+        self._due.clear()
         for g in state["groups"]:
             done = [Trajectory.from_dict(t) for t in g["done"]]
-            self._groups[g["prompt_id"]] = Group(
-                g["prompt_id"],
-                list(g["versions"]),
-                {t.sample_index: t for t in done},
-                g["completed_seq"],
+            self._add(
+                Group(
+                    g["prompt_id"],
+                    list(g["versions"]),
+                    {t.sample_index: t for t in done},
+                    g["completed_seq"],
+                )
             )
 
     def deadline(self, group: Group) -> int:
         return min(group.versions) + self.k
 
-    def deadlines(self) -> list[int]:
-        return [self.deadline(g) for g in self._groups.values()]
+    def due_by_deadline(self) -> Mapping[int, int]:
+        """Untrained groups per deadline (read-only view; no zero counts)."""
+        return self._due
 
     def add_group(self, prompt_id: int, version: int) -> None:
-        self._groups[prompt_id] = Group(prompt_id, [version] * self.group_size)
+        self._add(Group(prompt_id, [version] * self.group_size))
 
     def rebind(self, key: tuple[int, int], version: int) -> None:
-        self._groups[key[0]].versions[key[1]] = version
+        self._set_version(self._groups[key[0]], key[1], version)
 
     def finish(self, traj: Trajectory) -> None:
         group = self._groups[traj.prompt_id]
-        group.versions[traj.sample_index] = traj.version
+        self._set_version(group, traj.sample_index, traj.version)
         group.done[traj.sample_index] = traj
         if group.complete:
             group.completed_seq = self._seq
@@ -104,7 +112,7 @@ class TrajectoryQueue:
             return None
         chosen = complete[:b]
         # Groups left behind that are due by d, for each deadline d in increasing order.
-        left_behind = collections.Counter(self.deadlines())
+        left_behind = collections.Counter(self._due)
         left_behind.subtract(self.deadline(g) for g in chosen)
         left = 0
         for d in sorted(left_behind):
@@ -112,5 +120,23 @@ class TrajectoryQueue:
             if left > (d - iteration) * b:
                 return None
         for g in chosen:
-            del self._groups[g.prompt_id]
+            self._remove(g)
         return [g.done[i] for g in chosen for i in range(self.group_size)]
+
+    def _add(self, group: Group) -> None:
+        self._groups[group.prompt_id] = group
+        self._due[self.deadline(group)] += 1
+
+    def _remove(self, group: Group) -> None:
+        del self._groups[group.prompt_id]
+        self._uncount(self.deadline(group))
+
+    def _set_version(self, group: Group, sample_index: int, version: int) -> None:
+        self._uncount(self.deadline(group))
+        group.versions[sample_index] = version
+        self._due[self.deadline(group)] += 1
+
+    def _uncount(self, deadline: int) -> None:
+        self._due[deadline] -= 1
+        if not self._due[deadline]:
+            del self._due[deadline]

@@ -9,8 +9,6 @@ by its deadline: for every deadline d, the groups due by d fit in the iterations
 
 from __future__ import annotations
 
-import collections
-
 from dora_jax.rollout.queue_lib import TrajectoryQueue
 
 
@@ -35,14 +33,13 @@ class VersionWindow:
         deadline = version + self.k
         if version > self.newest or deadline < next_iteration:
             return False
-        due = collections.Counter(self.queue.deadlines())
-        due[deadline] += new_groups
+        due = self.queue.due_by_deadline()
         b = self.queue.groups_per_batch
-        # Groups due by d, for each deadline d in increasing order (one pass: this runs for
-        # every group a turn dispatches).
+        # Groups due by d, for each deadline d in increasing order (one pass over at most K+2
+        # deadlines: this runs for every group a turn dispatches).
         total = 0
-        for d in sorted(due):
-            total += due[d]
+        for d in sorted({*due, deadline}):
+            total += due.get(d, 0) + (new_groups if d == deadline else 0)
             if total > (d - next_iteration + 1) * b:
                 return False
         return True

@@ -107,7 +107,7 @@ def test_unstarted_work_of_an_unhosted_version_moves_to_the_newest(tmp_path):
     rollout.window.newest = 2
     for version in (0, 1, 1):
         rollout.dispatch_group(version)
-    assert sorted(rollout.queue.deadlines()) == [0 + k, 1 + k, 1 + k]
+    assert rollout.queue.due_by_deadline() == {0 + k: 1, 1 + k: 2}
 
     rollout.paradigm.rebalance(rollout, triggers=set())
 
@@ -115,5 +115,5 @@ def test_unstarted_work_of_an_unhosted_version_moves_to_the_newest(tmp_path):
     assert not rollout.pending.get(1)
     assert sorted(r.key[0] for r in rollout.pending[2]) == [1] * 4 + [2] * 4
     assert all(r.version == 2 and not r.started for r in rollout.pending[2])
-    assert sorted(rollout.queue.deadlines()) == [0 + k, 2 + k, 2 + k]
+    assert rollout.queue.due_by_deadline() == {0 + k: 1, 2 + k: 2}
     assert rollout.telemetry.counters["rebound"] == 8

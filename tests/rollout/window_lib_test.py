@@ -89,3 +89,39 @@ def test_a_batch_is_taken_only_if_what_it_leaves_can_still_be_trained(s):
     if batch is not None:
         assert {t.prompt_id for t in batch} == {g.prompt_id for g in chosen}
         assert len(batch) == b * G
+
+
+operations = st.lists(
+    st.tuples(st.sampled_from(["add", "rebind", "finish", "select"]), st.integers(0, 50)),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 4), operations)
+def test_deadline_counts_follow_every_change(k, ops):
+    """The queue's running count of groups per deadline equals a recount from its groups after
+    any sequence of dispatches, rebinds, finishes and trained batches."""
+    queue = TrajectoryQueue(G, k, 1)
+    next_id, iteration = 0, 0
+    for op, x in ops:
+        groups = list(queue._groups.values())
+        if op == "add":
+            queue.add_group(next_id, x % 7)
+            next_id += 1
+        elif op == "rebind" and groups:
+            g = groups[x % len(groups)]
+            open_samples = [i for i in range(G) if i not in g.done]
+            if open_samples:
+                queue.rebind((g.prompt_id, open_samples[0]), g.versions[open_samples[0]] + 1)
+        elif op == "finish" and groups:
+            g = groups[x % len(groups)]
+            open_samples = [i for i in range(G) if i not in g.done]
+            if open_samples:
+                queue.finish(_trajectory(g.prompt_id, open_samples[0], x % 7))
+        elif op == "select" and queue.select_batch(iteration) is not None:
+            iteration += 1
+        recount: dict[int, int] = {}
+        for g in queue._groups.values():
+            recount[min(g.versions) + k] = recount.get(min(g.versions) + k, 0) + 1
+        assert dict(queue.due_by_deadline()) == recount
