@@ -162,6 +162,11 @@ class Engine:
             lambda leaves, *args: self._prefill_impl(self._unflatten(leaves), *args),
             out_shardings=(self._row_shardings, replicated, replicated),
         )
+        self._admit_jit = jax.jit(
+            lambda leaves, ds, *args: self._admit_impl(self._unflatten(leaves), ds, *args),
+            donate_argnums=(1,),
+            out_shardings=(self._decode_shardings, replicated, replicated),
+        )
         self._generate_jit = jax.jit(
             lambda leaves, ds: self._generate_impl(self._unflatten(leaves), ds),
             donate_argnums=(1,),
@@ -289,8 +294,44 @@ class Engine:
         two; rows past len(requests) are padding (valid == 0) that `insert` drops.
         """
         _, version = unwrap_params(params)
+        prefix, data, log_probs = self._prefill_jit(
+            params.leaves, *self._prefill_args(requests, version)
+        )
+        return prefix, ResultTokens(data, log_probs, version=version)
+
+    def admit(
+        self,
+        params: PolicyParams,
+        decode_state: DecodeState,
+        requests: Sequence[Request],
+        slots: Sequence[int],
+    ) -> tuple[DecodeState, ResultTokens]:
+        """Prefills `requests` straight into `slots` (requests[i] into slots[i]); consumes
+        `decode_state`.
+
+        The same slot state, tokens and log-probs as `prefill_requests` then `insert`, as one
+        program with no host round trip between the two: a streaming rollout admits requests
+        on most decode steps. A slot still decoding is left as it is and its row comes back
+        with `valid` = 0, which the caller must check (reading the busy flags first would cost
+        the round trip this saves).
+        """
+        _, version = unwrap_params(params)
+        slots = self._check_slots(slots)
+        if len(slots) != len(requests):
+            raise ValueError(f"{len(requests)} requests for {len(slots)} slots")
+        args = self._prefill_args(requests, version)
+        index = np.full(len(args[0]), self._slots, np.int32)
+        index[: len(slots)] = slots
+        decode_state, data, log_probs = self._admit_jit(
+            params.leaves, decode_state, index, *args
+        )
+        return decode_state, ResultTokens(data, log_probs, version=version)
+
+    def _prefill_args(self, requests: Sequence[Request], version: int) -> tuple:
+        """Host-side inputs of a batched prefill: tokens padded to the bucket of the longest
+        prompt, the row count to a power of two (padding rows have `real` = False)."""
         if not requests:
-            raise ValueError("prefill_requests needs at least one request")
+            raise ValueError("a prefill needs at least one request")
         prompts, settings = zip(*[self.check_request(r) for r in requests], strict=True)
         bucket = self.bucket_for(max(len(p) for p in prompts))
         rows = _next_power_of_two(len(requests))
@@ -302,10 +343,7 @@ class Engine:
         real = np.arange(rows) < len(requests)
         pad = _RowSettings(0.0, 0, 1.0, 0, 1, 0, ())
         columns = self._settings_arrays([*settings] + [pad] * (rows - len(requests)))
-        prefix, data, log_probs = self._prefill_jit(
-            params.leaves, tokens, lengths, real, columns, np.int32(version)
-        )
-        return prefix, ResultTokens(data, log_probs, version=version)
+        return tokens, lengths, real, columns, np.int32(version)
 
     def bucket_for(self, length: int) -> int:
         for b in self.prefill_buckets:
@@ -550,6 +588,19 @@ class Engine:
         return out.logits[:, 0], out.cache
 
     def _prefill_impl(self, state, tokens, lengths, real, columns, version):
+        prefix, log_prob = self._prefill_rows(state, tokens, lengths, real, columns, version)
+        return prefix, *_pack_rows(prefix, real, log_prob)
+
+    def _admit_impl(self, state, ds: SlotState, index, tokens, lengths, real, columns, version):
+        prefix, log_prob = self._prefill_rows(state, tokens, lengths, real, columns, version)
+        # A row whose slot is still decoding is dropped (sent to the scatter's out-of-range
+        # index) and reported not valid.
+        busy = jnp.take(ds.active, index, mode="fill", fill_value=False)
+        taken = real & ~busy
+        ds = self._insert_impl(ds, prefix, jnp.where(taken, index, self._slots))
+        return ds, *_pack_rows(prefix, taken, log_prob)
+
+    def _prefill_rows(self, state, tokens, lengths, real, columns, version):
         logits, cache = self._prefill_logits(state, tokens, lengths)
         rows = tokens.shape[0]
         zeros = jnp.zeros(rows, jnp.int32)
@@ -576,7 +627,7 @@ class Engine:
             version=jnp.full(rows, version, jnp.int32),
             **columns,
         )
-        return prefix, *_pack(token, real, generated, finish, prefix.version, log_prob)
+        return prefix, log_prob
 
     def _generate_impl(self, state, ds: SlotState):
         out = self._fn.forward(state, ds.tokens[:, None], ds.positions[:, None], ds.cache)
@@ -637,6 +688,12 @@ def _finish_reason(token, generated, max_new_tokens, min_new_tokens, eos_ids):
         FinishReason.EOS,
         jnp.where(generated >= max_new_tokens, FinishReason.LENGTH, FinishReason.NONE),
     ).astype(jnp.int32)
+
+
+def _pack_rows(prefix: SlotState, valid, log_prob):
+    return _pack(
+        prefix.tokens, valid, prefix.generated, prefix.finish_reason, prefix.version, log_prob
+    )
 
 
 def _pack(token, valid, length, finish, version, log_prob):

@@ -86,12 +86,14 @@ def precompile_engines(engines: list[Engine]) -> None:
                 prompt_tokens=tokens, max_new_tokens=1, ignore_eos=True, seed=0, id=(-1, 0)
             )
             for n in sizes:
-                prefix, _ = engine.prefill_requests(params, [request] * n)
-                state = engine.insert(prefix, engine.init_decode_state(), list(range(n)))
-                jax.block_until_ready(engine.free_slot(state, list(range(n))))
-        # The slot moves a run may first need mid-measurement: insert, decode, a migration
-        # (export + import), free.
-        state = engine.insert(prefix, engine.init_decode_state(), 0)
+                state, _ = engine.admit(
+                    params, engine.init_decode_state(), [request] * n, list(range(n))
+                )
+                jax.block_until_ready(state)
+        # The slot moves a run may first need mid-measurement: decode, a migration (export +
+        # import), free.
+        request = EngineRequest(prompt_tokens=[1], max_new_tokens=2, seed=0, id=(-1, 0))
+        state, _ = engine.admit(params, engine.init_decode_state(), [request], [0])
         state, result = engine.generate(params, state)
         result.convert_to_numpy()
         exported = engine.export_slot(state, 0)

@@ -1,8 +1,8 @@
 """A rollout instance: one generation mesh, one engine, its decode slots, one version at a time.
 
 The instance holds a real copy of its version's params on its own devices; loading another
-version replaces (and so frees) it. It drives the engine through its batched
-`prefill_requests` and JetStream's `insert` / `generate`, plus the slot moves DORA needs
+version replaces (and so frees) it. It drives the engine through `admit` (a batched prefill
+straight into free slots) and JetStream's `generate`, plus the slot moves DORA needs
 (`export_slot`, `import_slot`, `free_slot`); params are the engine's `PolicyParams` (state +
 version), placed with `engine.shard_params`, and each token's version is the engine's tag on its
 result. `dispatch_prefill` and `dispatch_generate` only enqueue work (JAX async dispatch), so the
@@ -115,18 +115,23 @@ class RolloutInstance:
             by_bucket.setdefault(bucket, []).append((request, slot, engine_request))
         self._pending_prefill = []
         for group in by_bucket.values():
-            prefix, result = self.engine.prefill_requests(self.params, [e for _, _, e in group])
+            self.decode_state, result = self.engine.admit(
+                self.params, self.decode_state, [e for _, _, e in group], [s for _, s, _ in group]
+            )
             result.copy_to_host_async()
-            self._pending_prefill.append(([(r, s) for r, s, _ in group], prefix, result))
+            self._pending_prefill.append(([(r, s) for r, s, _ in group], result))
 
     def collect_prefill(self) -> list[Request]:
-        """Records each request's first token and installs the rest in their slots (one insert
-        per engine call); returns the requests that already finished with their first token."""
+        """Records each request's first token; the requests still going already sit in their
+        slots (the engine admitted them there). Returns those that finished with their first
+        token: the engine left their slots free."""
         pending, self._pending_prefill = self._pending_prefill, []
         finished = []
-        for starts, prefix, result in pending:
+        for starts, result in pending:
             result = result.convert_to_numpy()
-            done = []
+            refused = [slot for (_, slot), ok in zip(starts, result.valid, strict=False) if not ok]
+            if refused:
+                raise RuntimeError(f"{self.name}: engine refused busy slot(s) {refused}")
             rows = read_rows(result)
             for row, (request, slot) in enumerate(starts):
                 token, logprob, finish = rows[row]
@@ -136,12 +141,7 @@ class RolloutInstance:
                 if finish == FinishReason.NONE:
                     self.slots[slot] = request
                 else:
-                    done.append((request, slot))
-            slots = [slot for _, slot in starts]
-            self.decode_state = self.engine.insert(prefix, self.decode_state, slots)
-            if done:  # installed with the rest, but the engine has nothing left to decode
-                self.decode_state = self.engine.free_slot(self.decode_state, [s for _, s in done])
-            finished += [request for request, _ in done]
+                    finished.append(request)
         return finished
 
     def dispatch_generate(self) -> None:

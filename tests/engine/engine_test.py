@@ -366,6 +366,47 @@ def test_free_slot_aborts_and_allows_refill(dense):
     assert engine.active_slots(ds)[1]
 
 
+def test_admit_equals_prefill_then_insert_and_refuses_busy_slots(dense):
+    """`admit` (one program) leaves the same decode state and yields the same tokens as
+    `prefill_requests` then `insert`; a row aimed at a busy slot is refused and that slot's
+    request decodes on untouched."""
+    engine, params = dense.engine, dense.params
+    sampling = SamplingParams(temperature=1.0)
+    busy = Request([5, 6, 7], sampling, max_new_tokens=10, ignore_eos=True, seed=3)
+    new = [
+        Request([1, 2, 3, 4], sampling, max_new_tokens=10, ignore_eos=True, seed=11),
+        Request([8, 9], sampling, max_new_tokens=10, ignore_eos=True, seed=12),
+        Request([4, 4, 4], sampling, max_new_tokens=1, ignore_eos=True, seed=13),
+    ]
+
+    def started():
+        prefix, _ = engine.prefill_requests(params, [busy])
+        ds, _ = engine.generate(params, engine.insert(prefix, engine.init_decode_state(), 1))
+        return ds
+
+    ds, first = engine.admit(params, started(), new, [0, 1, 3])
+    first = first.convert_to_numpy()
+    assert first.valid[:3].tolist() == [True, False, True]
+
+    taken = [new[0], new[2]]
+    prefix, expected_first = engine.prefill_requests(params, taken)
+    reference = engine.insert(prefix, started(), [0, 3])
+    expected_first = expected_first.convert_to_numpy()
+    assert first.tokens[[0, 2]].tolist() == expected_first.tokens[:2].tolist()
+    np.testing.assert_allclose(first.log_probs[[0, 2]], expected_first.log_probs[:2], atol=1e-5)
+    # The max_new_tokens=1 request finished at its first token: its slot stays free.
+    assert first.finish_reasons[2] == FinishReason.LENGTH
+    assert engine.active_slots(ds).tolist() == [True, True, False, False]
+    for got, want in zip(jax.tree.leaves(ds), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    for _ in range(4):
+        ds, out = engine.generate(params, ds)
+        reference, want = engine.generate(params, reference)
+        assert out.convert_to_numpy().tokens.tolist() == want.convert_to_numpy().tokens.tolist()
+    with pytest.raises(ValueError, match="2 requests for 1 slots"):
+        engine.admit(params, ds, new[:2], [2])
+
+
 # ---------------------------------------------------------------------------------------------
 # Versions, JetStream-shaped results, bounded compilation
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Cheap test doubles for the engine and trainer that honour their contracts.
 
 `EngineDouble` has `dora_jax.engine.Engine`'s interface and semantics (batched
-`prefill_requests`, JetStream's `insert` / `generate`, `shard_params` giving `PolicyParams`,
+`prefill_requests` and `admit`, JetStream's `insert` / `generate`, `shard_params` giving `PolicyParams`,
 `free_slot`, `export_slot`, `import_slot`, `ResultTokens` with per-slot finish reasons and
 behaviour log-probs): fixed slots, one token per busy slot per decode step, per-request forced
 length (`max_new_tokens` with `ignore_eos`), inserting into a busy slot is an error, a finished
@@ -53,6 +53,11 @@ class ResultTokens:
     slot_versions: np.ndarray
     version: int
     error: str | None = None  # raised on read-back, as JAX raises a device error
+    valid: np.ndarray | None = None  # rows that hold a token (all, unless set)
+
+    def __post_init__(self) -> None:
+        if self.valid is None:
+            self.valid = np.ones(len(self.tokens), bool)
 
     def copy_to_host_async(self) -> None:
         pass  # already on the host
@@ -122,7 +127,7 @@ class EngineDouble:
     def prefill_requests(self, params: PolicyParams, requests: list) -> tuple[dict, ResultTokens]:
         """One batched prefill, row i for requests[i], as `Engine.prefill_requests`."""
         if not requests:
-            raise ValueError("prefill_requests needs at least one request")
+            raise ValueError("a prefill needs at least one request")
         self.prefill_calls += 1
         failing = (
             self.fail_after_prefills is not None and self.prefill_calls > self.fail_after_prefills
@@ -183,6 +188,18 @@ class EngineDouble:
 
     def insert(self, prefix: dict, decode_state: dict, slot: int | list[int]) -> dict:
         return self._set(decode_state, self._slots(slot), prefix)
+
+    def admit(self, params: PolicyParams, decode_state: dict, requests: list, slots: list):
+        """`prefill_requests` into `slots` as `Engine.admit`: a busy slot is left as it is and
+        its row comes back not valid."""
+        if len(slots) != len(requests):
+            raise ValueError(f"{len(requests)} requests for {len(slots)} slots")
+        prefix, result = self.prefill_requests(params, requests)
+        taken = [i for i, s in enumerate(slots) if not decode_state["active"][s]]
+        rows = {k: [v[i] for i in taken] for k, v in prefix.items()}
+        state = self._set(decode_state, [slots[i] for i in taken], rows)
+        result.valid = np.isin(np.arange(len(slots)), taken)
+        return state, result
 
     def generate(self, params: PolicyParams, decode_state: dict):
         self.steps += 1
