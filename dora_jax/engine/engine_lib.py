@@ -322,9 +322,7 @@ class Engine:
         args = self._prefill_args(requests, version)
         index = np.full(len(args[0]), self._slots, np.int32)
         index[: len(slots)] = slots
-        decode_state, data, log_probs = self._admit_jit(
-            params.leaves, decode_state, index, *args
-        )
+        decode_state, data, log_probs = self._admit_jit(params.leaves, decode_state, index, *args)
         return decode_state, ResultTokens(data, log_probs, version=version)
 
     def _prefill_args(self, requests: Sequence[Request], version: int) -> tuple:

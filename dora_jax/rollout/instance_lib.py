@@ -5,9 +5,10 @@ version replaces (and so frees) it. It drives the engine through `admit` (a batc
 straight into free slots) and JetStream's `generate`, plus the slot moves DORA needs
 (`export_slot`, `import_slot`, `free_slot`); params are the engine's `PolicyParams` (state +
 version), placed with `engine.shard_params`, and each token's version is the engine's tag on its
-result. `dispatch_prefill` and `dispatch_generate` only enqueue work (JAX async dispatch), so the
-controller can start every instance's work before it reads any token back: that is where
-generation meshes overlap with each other and with the trainer.
+result. `dispatch_prefill` and `dispatch_generate` only enqueue work (JAX async dispatch) and one
+`collect` reads it all back, so the controller starts every instance's admissions and decode
+step before it reads any token: that is where generation meshes overlap with each other and
+with the trainer, and a turn that admits requests costs no extra host round trip.
 """
 
 from __future__ import annotations
@@ -92,10 +93,11 @@ class RolloutInstance:
         self.version = None
 
     def dispatch_prefill(self, starts: list[tuple[Request, int]]) -> None:
-        """Enqueues the prefill of every (request, slot) pair: prompt plus anything the request
-        generated so far, one engine call per prefill length bucket (so a re-prefilled long
-        request does not pad short ones to its length). Does not wait; `collect_prefill`
-        reads it back."""
+        """Enqueues the admission of every (request, slot) pair: prompt plus anything the
+        request generated so far, prefilled straight into its slot, one engine call per prefill
+        length bucket (so a re-prefilled long request does not pad short ones to its length).
+        The slots are taken from now on. Does not wait: the next `collect` reads the first
+        tokens back together with the decode step enqueued after them."""
         for _, slot in starts:
             if self.slots[slot] is not None:
                 raise RuntimeError(f"{self.name}: slot {slot} is busy")
@@ -113,18 +115,42 @@ class RolloutInstance:
             )
             bucket = self.engine.bucket_for(len(tokens))
             by_bucket.setdefault(bucket, []).append((request, slot, engine_request))
-        self._pending_prefill = []
         for group in by_bucket.values():
             self.decode_state, result = self.engine.admit(
                 self.params, self.decode_state, [e for _, _, e in group], [s for _, s, _ in group]
             )
             result.copy_to_host_async()
             self._pending_prefill.append(([(r, s) for r, s, _ in group], result))
+        for request, slot in starts:
+            self.slots[slot] = request
 
-    def collect_prefill(self) -> list[Request]:
-        """Records each request's first token; the requests still going already sit in their
-        slots (the engine admitted them there). Returns those that finished with their first
-        token: the engine left their slots free."""
+    def dispatch_generate(self) -> None:
+        """Enqueues one decode step for every slot (does not wait for it)."""
+        self.decode_state, self._pending_result = self.engine.generate(
+            self.params, self.decode_state
+        )
+
+    def collect(self) -> list[Request]:
+        """Reads back what was enqueued since the last collect, in order: the admissions' first
+        tokens, then the decode step's tokens. Returns the requests that finished (slots
+        freed; one that finished with its first token was never left decoding by the engine)."""
+        finished = self._collect_admissions()
+        result, self._pending_result = self._pending_result, None
+        if result is None:
+            return finished
+        result = result.convert_to_numpy()
+        rows = read_rows(result)
+        for slot in self.active():
+            request = self.slots[slot]
+            token, logprob, finish = rows[slot]
+            request.record(token, logprob, result.version)
+            if finish != FinishReason.NONE:  # the engine already stopped the slot
+                request.truncated = finish == FinishReason.LENGTH
+                self.slots[slot] = None
+                finished.append(request)
+        return finished
+
+    def _collect_admissions(self) -> list[Request]:
         pending, self._pending_prefill = self._pending_prefill, []
         finished = []
         for starts, result in pending:
@@ -137,33 +163,10 @@ class RolloutInstance:
                 token, logprob, finish = rows[row]
                 request.started = True
                 request.record(token, logprob, result.version)
-                request.truncated = finish == FinishReason.LENGTH
-                if finish == FinishReason.NONE:
-                    self.slots[slot] = request
-                else:
+                if finish != FinishReason.NONE:
+                    request.truncated = finish == FinishReason.LENGTH
+                    self.slots[slot] = None
                     finished.append(request)
-        return finished
-
-    def dispatch_generate(self) -> None:
-        """Enqueues one decode step for every slot (does not wait for it)."""
-        self.decode_state, self._pending_result = self.engine.generate(
-            self.params, self.decode_state
-        )
-
-    def collect(self) -> list[Request]:
-        """Reads the step's tokens back; returns the requests that finished (slots freed)."""
-        result, self._pending_result = self._pending_result, None
-        result = result.convert_to_numpy()
-        finished = []
-        rows = read_rows(result)
-        for slot in self.active():
-            request = self.slots[slot]
-            token, logprob, finish = rows[slot]
-            request.record(token, logprob, result.version)
-            if finish != FinishReason.NONE:  # the engine already stopped the slot
-                request.truncated = finish == FinishReason.LENGTH
-                self.slots[slot] = None
-                finished.append(request)
         return finished
 
     def _release(self, slot: int) -> None:

@@ -102,6 +102,7 @@ class Rollout:
         self.metrics: list[dict[str, float]] = []
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
         self._training: tuple[concurrent.futures.Future, list[Trajectory], float] | None = None
+        self._admitting: set[int] = set()  # instances with admissions enqueued this turn
         self._publish_tick = 0
         self._last_publish_us = self.trace.now_us()
         self._trainer_busy_s = 0.0
@@ -144,16 +145,13 @@ class Rollout:
             triggers.add("idle")
         self._rehome_orphans()
         self.paradigm.rebalance(self, triggers)
-        self._admit()
         if self.selected < self.config.num_iterations and not self._draining:
             self.paradigm.fill_spare(self)
-            self._admit()
+        self._admit()
         if any(x.active() for x in self.healthy()):
             self._decode()
             self.tick += 1
             return
-        if self._training is None:  # everything finished at prefill: a batch may be ready
-            self._try_train()
         if self._training is not None:
             self._publish_tick = self.tick  # nothing to decode: take the new version now
         elif progress == (self.totals["prefills"], self.selected):
@@ -211,11 +209,8 @@ class Rollout:
         self.start(batches)
 
     def start(self, batches: list[tuple[RolloutInstance, list[tuple[Request, int]]]]) -> None:
-        """Prefills each instance's (request, slot) pairs, one engine call per instance and
-        length bucket; every instance's prefill is enqueued before any is read back, so they
-        overlap."""
-        t0 = self.trace.now_us()
-        started = []
+        """Enqueues each instance's admissions of (request, slot) pairs; the turn's `_decode`
+        reads their first tokens back with its step."""
         for x, starts in batches:
             for request, _ in starts:
                 if not request.started:
@@ -226,32 +221,23 @@ class Rollout:
             except Exception:  # noqa: BLE001 - any engine error takes the instance out
                 self._fail(x, [r for r, _ in starts])
                 continue
-            started.append((x, starts))
-        for x, starts in started:
-            try:
-                finished = x.collect_prefill()
-            except Exception:  # noqa: BLE001
-                self._fail(x, [r for r, _ in starts])
-                continue
-            for request in finished:
-                self._finish(request)
-            self.telemetry.action(x.name, "prefill", t0, self.trace.now_us(), version=x.version)
+            self._admitting.add(x.index)
             self.telemetry.counters["prefills"] += len(starts)
             self.totals["prefills"] += len(starts)
 
     def _decode(self) -> None:
+        """One step on every instance with a busy slot: every admission and decode step is
+        enqueued before anything is read back."""
         t0 = self.trace.now_us()
         busy = [len(x.active()) if x.healthy else 0 for x in self.instances]
         stepping = [x for x in self.healthy() if x.active()]
         failed = []
-        for x in stepping:  # enqueue every instance's step before reading any back
+        for x in stepping:
             try:
                 x.dispatch_generate()
             except Exception:  # noqa: BLE001 - any engine error takes the instance out
                 failed.append(x)
         for x in stepping:
-            if x in failed:
-                continue
             try:
                 finished = x.collect()
             except Exception:  # noqa: BLE001
@@ -262,9 +248,12 @@ class Rollout:
         now = self.trace.now_us()
         for x in self.healthy():
             label = "decode" if busy[x.index] else "idle"
+            if x.index in self._admitting:
+                label = "prefill+decode"
             self.telemetry.state(x.name, f"{label} v{x.version}", t0, version=x.version)
+        self._admitting.clear()
         self.telemetry.decode_step(busy, (now - t0) / 1e6)
-        for x in failed:
+        for x in dict.fromkeys(failed):
             self._fail(x)
 
     def _finish(self, request: Request) -> None:

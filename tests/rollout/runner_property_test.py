@@ -173,7 +173,8 @@ def test_length_bias_is_reported_against_numpy(tmp_path, mode):
 
 def test_a_prefill_that_fails_half_way_requeues_each_request_once(tmp_path):
     """Two length buckets make two engine calls; the second fails on read-back (as a device
-    error surfaces in JAX) after the first batch is already in its slots."""
+    error surfaces in JAX, here with the turn's decode step) after the first batch's tokens
+    were read."""
     rollout, _, engines = make_rollout(
         str(tmp_path), num_instances=2, slots=4, group_size=2, train_batch_size=2,
         rollout_batch_size=4, num_iterations=2, max_length=80, median_length=40, seed=3,
@@ -186,6 +187,7 @@ def test_a_prefill_that_fails_half_way_requeues_each_request_once(tmp_path):
     assert long.max_new_tokens > 21 and x.engine.bucket_for(8) != x.engine.bucket_for(28)
     engines[0].fail_after_prefills = engines[0].prefill_calls + 1
     rollout.start([(x, [(short, 0), (long, 1)])])
+    rollout._decode()
     assert not x.healthy
     requeued = [r.key for q in rollout.pending.values() for r in q]
     assert sorted(requeued) == sorted([short.key, long.key])
