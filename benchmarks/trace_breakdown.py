@@ -3,10 +3,10 @@
     python benchmarks/trace_breakdown.py runs/bench          # every mode under the bench dir
     python benchmarks/trace_breakdown.py runs/bench/dora     # one run
 
-For each track (instances, trainer) it sums the span time per kind (the span name's first word:
-decode, idle, prefill, load, migrate, train) and prints it as a fraction of the run's wall time
-(first to last trace event). Time on an instance track not covered by any span is time the
-controller spent elsewhere (waiting for the trainer, orchestrating, other instances' prefills).
+For each track (instances, trainer) it sums the span time per kind (the span name's first
+word: decode, prefill+decode, idle, load, migrate, train) and prints it as a fraction of the
+run's wall time (first to last trace event). Time on an instance track not covered by any span
+is time the controller spent elsewhere (waiting for the trainer, orchestrating).
 """
 
 from __future__ import annotations
