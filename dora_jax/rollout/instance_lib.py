@@ -136,8 +136,6 @@ class RolloutInstance:
         freed; one that finished with its first token was never left decoding by the engine)."""
         finished = self._collect_admissions()
         result, self._pending_result = self._pending_result, None
-        if result is None:
-            return finished
         result = result.convert_to_numpy()
         rows = read_rows(result)
         for slot in self.active():

@@ -238,6 +238,8 @@ class Rollout:
             except Exception:  # noqa: BLE001 - any engine error takes the instance out
                 failed.append(x)
         for x in stepping:
+            if x in failed:
+                continue
             try:
                 finished = x.collect()
             except Exception:  # noqa: BLE001
@@ -253,7 +255,7 @@ class Rollout:
             self.telemetry.state(x.name, f"{label} v{x.version}", t0, version=x.version)
         self._admitting.clear()
         self.telemetry.decode_step(busy, (now - t0) / 1e6)
-        for x in dict.fromkeys(failed):
+        for x in failed:
             self._fail(x)
 
     def _finish(self, request: Request) -> None:
