@@ -40,6 +40,47 @@ from dora_jax.engine.slots_lib import (
 )
 from dora_jax.models import Functional, KVCache, Transformer, sharding_lib
 
+# The leading columns of `_HostRows.ints`, one per row; the eos ids and the tokens follow.
+_LENGTH, _REAL, _SLOT, _VERSION, _TOP_K, _SEED, _MAX_NEW, _MIN_NEW = range(8)
+_INT_COLUMNS = 8
+
+
+class _HostRows(NamedTuple):
+    """A batched prefill's host inputs as two arrays. Every host array passed to a jitted call
+    is a transfer of its own, about 25 us each on CPU (measured): as a dozen separate arrays
+    they cost an admission more than its compute, and a streaming rollout admits on most
+    decode steps.
+
+    `ints` is int32 [rows, 8 + max_eos_ids + bucket]: length, real (1 for a request, 0 for
+    padding), target slot, version, top_k, seed (its uint32 bits), max_new_tokens and
+    min_new_tokens, then the eos ids (-1 padded), then the padded prompt tokens. `floats` is
+    float32 [rows, 2]: temperature, top_p. The accessors unpack them inside a jitted program.
+    """
+
+    ints: Any
+    floats: Any
+
+    def column(self, i: int) -> Any:
+        return self.ints[:, i]
+
+    def eos_ids(self, max_eos_ids: int) -> Any:
+        return self.ints[:, _INT_COLUMNS : _INT_COLUMNS + max_eos_ids]
+
+    def tokens(self, max_eos_ids: int) -> Any:
+        return self.ints[:, _INT_COLUMNS + max_eos_ids :]
+
+    def settings(self, max_eos_ids: int) -> dict[str, Any]:
+        """The per-slot sampler and stop columns, as `SlotState` holds them."""
+        return dict(
+            temperature=self.floats[:, 0],
+            top_k=self.column(_TOP_K),
+            top_p=self.floats[:, 1],
+            seed=jax.lax.bitcast_convert_type(self.column(_SEED), jnp.uint32),
+            max_new_tokens=self.column(_MAX_NEW),
+            min_new_tokens=self.column(_MIN_NEW),
+            eos_ids=self.eos_ids(max_eos_ids),
+        )
+
 
 class _RowSettings(NamedTuple):
     temperature: float
@@ -159,11 +200,11 @@ class Engine:
         # The jitted calls take the params as `PolicyParams.leaves` (a flat tuple flattens in
         # C++) and rebuild the state while tracing.
         self._prefill_jit = jax.jit(
-            lambda leaves, *args: self._prefill_impl(self._unflatten(leaves), *args),
+            lambda leaves, rows: self._prefill_impl(self._unflatten(leaves), rows),
             out_shardings=(self._row_shardings, replicated, replicated),
         )
         self._admit_jit = jax.jit(
-            lambda leaves, ds, *args: self._admit_impl(self._unflatten(leaves), ds, *args),
+            lambda leaves, ds, rows: self._admit_impl(self._unflatten(leaves), ds, rows),
             donate_argnums=(1,),
             out_shardings=(self._decode_shardings, replicated, replicated),
         )
@@ -295,7 +336,7 @@ class Engine:
         """
         _, version = unwrap_params(params)
         prefix, data, log_probs = self._prefill_jit(
-            params.leaves, *self._prefill_args(requests, version)
+            params.leaves, self._host_rows(requests, version, slots=())
         )
         return prefix, ResultTokens(data, log_probs, version=version)
 
@@ -319,29 +360,42 @@ class Engine:
         slots = self._check_slots(slots)
         if len(slots) != len(requests):
             raise ValueError(f"{len(requests)} requests for {len(slots)} slots")
-        args = self._prefill_args(requests, version)
-        index = np.full(len(args[0]), self._slots, np.int32)
-        index[: len(slots)] = slots
-        decode_state, data, log_probs = self._admit_jit(params.leaves, decode_state, index, *args)
+        rows = self._host_rows(requests, version, slots)
+        decode_state, data, log_probs = self._admit_jit(params.leaves, decode_state, rows)
         return decode_state, ResultTokens(data, log_probs, version=version)
 
-    def _prefill_args(self, requests: Sequence[Request], version: int) -> tuple:
+    def _host_rows(
+        self, requests: Sequence[Request], version: int, slots: Sequence[int]
+    ) -> _HostRows:
         """Host-side inputs of a batched prefill: tokens padded to the bucket of the longest
-        prompt, the row count to a power of two (padding rows have `real` = False)."""
+        prompt, the row count to a power of two (padding rows have `real` = False and no
+        slot), packed into one int32 and one float32 array (`_HostRows`)."""
         if not requests:
             raise ValueError("a prefill needs at least one request")
         prompts, settings = zip(*[self.check_request(r) for r in requests], strict=True)
         bucket = self.bucket_for(max(len(p) for p in prompts))
         rows = _next_power_of_two(len(requests))
-        tokens = np.zeros((rows, bucket), np.int32)
-        lengths = np.ones(rows, np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = p
-            lengths[i] = len(p)
-        real = np.arange(rows) < len(requests)
-        pad = _RowSettings(0.0, 0, 1.0, 0, 1, 0, ())
-        columns = self._settings_arrays([*settings] + [pad] * (rows - len(requests)))
-        return tokens, lengths, real, columns, np.int32(version)
+        eos_end = _INT_COLUMNS + self._max_eos_ids
+        ints = np.zeros((rows, eos_end + bucket), np.int32)
+        floats = np.zeros((rows, 2), np.float32)
+        ints[:, _LENGTH] = 1
+        ints[:, _SLOT] = self._slots  # out of range: the scatter drops the row
+        ints[:, _VERSION] = version
+        ints[:, _MAX_NEW] = 1
+        ints[:, _INT_COLUMNS:eos_end] = -1
+        floats[:, 1] = 1.0  # top_p of padding rows
+        for i, (p, s) in enumerate(zip(prompts, settings, strict=True)):
+            ints[i, _LENGTH] = len(p)
+            ints[i, _REAL] = 1
+            ints[i, _TOP_K] = s.top_k
+            ints[i, _SEED] = np.uint32(s.seed).view(np.int32)
+            ints[i, _MAX_NEW] = s.max_new_tokens
+            ints[i, _MIN_NEW] = s.min_new_tokens
+            ints[i, _INT_COLUMNS : _INT_COLUMNS + len(s.eos_ids)] = s.eos_ids
+            ints[i, eos_end : eos_end + len(p)] = p
+            floats[i] = s.temperature, s.top_p
+        ints[: len(slots), _SLOT] = slots
+        return _HostRows(ints, floats)
 
     def bucket_for(self, length: int) -> int:
         for b in self.prefill_buckets:
@@ -509,20 +563,6 @@ class Engine:
                 f"this engine's max_eos_ids={self._max_eos_ids}"
             )
 
-    def _settings_arrays(self, settings: list[_RowSettings]) -> dict[str, np.ndarray]:
-        eos = np.full((len(settings), self._max_eos_ids), -1, np.int32)
-        for i, s in enumerate(settings):
-            eos[i, : len(s.eos_ids)] = s.eos_ids
-        return dict(
-            temperature=np.asarray([s.temperature for s in settings], np.float32),
-            top_k=np.asarray([s.top_k for s in settings], np.int32),
-            top_p=np.asarray([s.top_p for s in settings], np.float32),
-            seed=np.asarray([s.seed for s in settings], np.uint32),
-            max_new_tokens=np.asarray([s.max_new_tokens for s in settings], np.int32),
-            min_new_tokens=np.asarray([s.min_new_tokens for s in settings], np.int32),
-            eos_ids=eos,
-        )
-
     def _insert_rows(self, decode_state: DecodeState, rows: SlotState, slots: list[int]):
         # Rows without a slot go to index max_concurrent_decodes, which the scatter drops.
         index = np.full(rows.num_rows, self._slots, np.int32)
@@ -585,12 +625,13 @@ class Engine:
         out = self._fn.forward(state, tokens, positions, cache, logits_at=lengths - 1)
         return out.logits[:, 0], out.cache
 
-    def _prefill_impl(self, state, tokens, lengths, real, columns, version):
-        prefix, log_prob = self._prefill_rows(state, tokens, lengths, real, columns, version)
-        return prefix, *_pack_rows(prefix, real, log_prob)
+    def _prefill_impl(self, state, rows: _HostRows):
+        prefix, log_prob = self._prefill_rows(state, rows)
+        return prefix, *_pack_rows(prefix, rows.column(_REAL) > 0, log_prob)
 
-    def _admit_impl(self, state, ds: SlotState, index, tokens, lengths, real, columns, version):
-        prefix, log_prob = self._prefill_rows(state, tokens, lengths, real, columns, version)
+    def _admit_impl(self, state, ds: SlotState, rows: _HostRows):
+        prefix, log_prob = self._prefill_rows(state, rows)
+        real, index = rows.column(_REAL) > 0, rows.column(_SLOT)
         # A row whose slot is still decoding is dropped (sent to the scatter's out-of-range
         # index) and reported not valid.
         busy = jnp.take(ds.active, index, mode="fill", fill_value=False)
@@ -598,7 +639,9 @@ class Engine:
         ds = self._insert_impl(ds, prefix, jnp.where(taken, index, self._slots))
         return ds, *_pack_rows(prefix, taken, log_prob)
 
-    def _prefill_rows(self, state, tokens, lengths, real, columns, version):
+    def _prefill_rows(self, state, host: _HostRows):
+        tokens, lengths = host.tokens(self._max_eos_ids), host.column(_LENGTH)
+        columns = host.settings(self._max_eos_ids)
         logits, cache = self._prefill_logits(state, tokens, lengths)
         rows = tokens.shape[0]
         zeros = jnp.zeros(rows, jnp.int32)
@@ -620,9 +663,9 @@ class Engine:
             positions=lengths,
             generated=generated,
             prompt_length=lengths,
-            active=real & (finish == FinishReason.NONE),
+            active=(host.column(_REAL) > 0) & (finish == FinishReason.NONE),
             finish_reason=finish,
-            version=jnp.full(rows, version, jnp.int32),
+            version=host.column(_VERSION),
             **columns,
         )
         return prefix, log_prob
