@@ -274,7 +274,7 @@ class Trainer:
             spec = PartitionSpec("fsdp") if len(mb.rows) % fsdp == 0 else PartitionSpec()
             arrays.append((mb.tokens, mb.positions, mb.targets, mb.mask, mb.behaviour_logp, *extra))
             shardings.append(tuple(NamedSharding(self.mesh, spec) for _ in arrays[-1]))
-        return [tuple(x) for x in jax.device_put(arrays, shardings)]
+        return jax.device_put(arrays, shardings)
 
     def _inputs(
         self,
