@@ -63,6 +63,10 @@ class _HostRows(NamedTuple):
     def column(self, i: int) -> Any:
         return self.ints[:, i]
 
+    def real(self) -> Any:
+        """bool per row: a request (True) or padding."""
+        return self.column(_REAL) > 0
+
     def eos_ids(self, max_eos_ids: int) -> Any:
         return self.ints[:, _INT_COLUMNS : _INT_COLUMNS + max_eos_ids]
 
@@ -627,11 +631,11 @@ class Engine:
 
     def _prefill_impl(self, state, rows: _HostRows):
         prefix, log_prob = self._prefill_rows(state, rows)
-        return prefix, *_pack_rows(prefix, rows.column(_REAL) > 0, log_prob)
+        return prefix, *_pack_rows(prefix, rows.real(), log_prob)
 
     def _admit_impl(self, state, ds: SlotState, rows: _HostRows):
         prefix, log_prob = self._prefill_rows(state, rows)
-        real, index = rows.column(_REAL) > 0, rows.column(_SLOT)
+        real, index = rows.real(), rows.column(_SLOT)
         # A row whose slot is still decoding is dropped (sent to the scatter's out-of-range
         # index) and reported not valid.
         busy = jnp.take(ds.active, index, mode="fill", fill_value=False)
@@ -663,7 +667,7 @@ class Engine:
             positions=lengths,
             generated=generated,
             prompt_length=lengths,
-            active=(host.column(_REAL) > 0) & (finish == FinishReason.NONE),
+            active=host.real() & (finish == FinishReason.NONE),
             finish_reason=finish,
             version=host.column(_VERSION),
             **columns,

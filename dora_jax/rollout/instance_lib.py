@@ -139,13 +139,7 @@ class RolloutInstance:
         result = result.convert_to_numpy()
         rows = read_rows(result)
         for slot in self.active():
-            request = self.slots[slot]
-            token, logprob, finish = rows[slot]
-            request.record(token, logprob, result.version)
-            if finish != FinishReason.NONE:  # the engine already stopped the slot
-                request.truncated = finish == FinishReason.LENGTH
-                self.slots[slot] = None
-                finished.append(request)
+            self._record(slot, rows[slot], result.version, finished)
         return finished
 
     def _collect_admissions(self) -> list[Request]:
@@ -158,14 +152,22 @@ class RolloutInstance:
                 raise RuntimeError(f"{self.name}: engine refused busy slot(s) {refused}")
             rows = read_rows(result)
             for row, (request, slot) in enumerate(starts):
-                token, logprob, finish = rows[row]
                 request.started = True
-                request.record(token, logprob, result.version)
-                if finish != FinishReason.NONE:
-                    request.truncated = finish == FinishReason.LENGTH
-                    self.slots[slot] = None
-                    finished.append(request)
+                self._record(slot, rows[row], result.version, finished)
         return finished
+
+    def _record(
+        self, slot: int, row: tuple[int, float, int], version: int, finished: list[Request]
+    ) -> None:
+        """Appends a (token, log-prob, finish reason) row to the request in `slot`; a finished
+        request leaves its slot (the engine already stopped it) and joins `finished`."""
+        request = self.slots[slot]
+        token, logprob, finish = row
+        request.record(token, logprob, version)
+        if finish != FinishReason.NONE:
+            request.truncated = finish == FinishReason.LENGTH
+            self.slots[slot] = None
+            finished.append(request)
 
     def _release(self, slot: int) -> None:
         self.decode_state = self.engine.free_slot(self.decode_state, slot)
