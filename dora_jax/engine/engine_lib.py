@@ -556,9 +556,13 @@ class Engine:
 
     def _check_shape(self, rows: SlotState, what: str) -> None:
         c = self.config
-        layers, _, heads, length, dim = rows.cache.k.shape
+        layers = len(rows.cache.k)
+        _, heads, length, dim = rows.cache.k[0].shape
         if (layers, heads, dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
-            raise ValueError(f"{what} was made by a different model (cache {rows.cache.k.shape})")
+            raise ValueError(
+                f"{what} was made by a different model "
+                f"(cache of {layers} layers x {rows.cache.k[0].shape})"
+            )
         if length > self._cache_length:
             raise ValueError(f"{what} cache length {length} exceeds {self._cache_length}")
         if rows.eos_ids.shape[1] != self._max_eos_ids:
@@ -585,15 +589,16 @@ class Engine:
         rules = {**self._rules, "slots": slots_axis}
         rows = self._slots if slots_axis else 1
         spec = sharding_lib.partition_spec(
-            (c.num_layers, rows, c.num_kv_heads, self._cache_length, c.head_dim),
-            (None, "slots", "kv_heads", None, None),
+            (rows, c.num_kv_heads, self._cache_length, c.head_dim),
+            ("slots", "kv_heads", None, None),
             self._mesh,
             rules,
         )
         kv = NamedSharding(self._mesh, spec)
         rep = NamedSharding(self._mesh, PartitionSpec())
         fields = {f: rep for f in SlotState._fields if f != "cache"}
-        return SlotState(cache=KVCache(kv, kv), **fields)
+        per_layer = (kv,) * c.num_layers
+        return SlotState(cache=KVCache(per_layer, per_layer), **fields)
 
     # ---- jitted implementations -----------------------------------------------------------
 
@@ -702,20 +707,19 @@ class Engine:
         return new, *_pack(token, step, generated, finish, ds.version, log_prob)
 
     def _insert_impl(self, ds: SlotState, rows: SlotState, index):
-        length = rows.cache.k.shape[3]
+        length = rows.cache.k[0].shape[2]
 
         def put_cache(dst, src):
-            return dst.at[:, index, :, :length].set(src.astype(dst.dtype), mode="drop")
+            return dst.at[index, :, :length].set(src.astype(dst.dtype), mode="drop")
 
         put = lambda dst, src: dst.at[index].set(src.astype(dst.dtype), mode="drop")
         fields = {f: put(getattr(ds, f), getattr(rows, f)) for f in SlotState._fields[1:]}
-        cache = KVCache(put_cache(ds.cache.k, rows.cache.k), put_cache(ds.cache.v, rows.cache.v))
-        return SlotState(cache=cache, **fields)
+        return SlotState(cache=jax.tree.map(put_cache, ds.cache, rows.cache), **fields)
 
     def _export_impl(self, ds: SlotState, slot):
         take = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=axis)
         fields = {f: take(getattr(ds, f), 0) for f in SlotState._fields[1:]}
-        return SlotState(cache=KVCache(take(ds.cache.k, 1), take(ds.cache.v, 1)), **fields)
+        return SlotState(cache=jax.tree.map(lambda x: take(x, 0), ds.cache), **fields)
 
     def _free_impl(self, ds: SlotState, mask):
         stopping = ds.active & mask

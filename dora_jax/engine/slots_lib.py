@@ -61,7 +61,7 @@ def unwrap_params(params: Any) -> tuple[Any, int]:
 class SlotState(NamedTuple):
     """Per-row decoding state. The decode state has one row per slot; a prefix one per prompt."""
 
-    cache: KVCache  # k, v: [layers, rows, kv_heads, cache_len, head_dim]
+    cache: KVCache  # k, v: per layer [rows, kv_heads, cache_len, head_dim]
     tokens: jax.Array  # int32: the last sampled token, the next step's input
     positions: jax.Array  # int32: the cache index that token will be written at
     generated: jax.Array  # int32: tokens sampled so far (= the next token's PRNG index)

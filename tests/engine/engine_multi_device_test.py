@@ -74,7 +74,7 @@ def _migrate_and_compare(config, mesh_a, mesh_b, exact):
     ds_a = a.insert(prefix, a.init_decode_state(), [0, 1, 2])
     for _ in range(3):
         ds_a, _ = _step(a, params_a, ds_a, 1)
-    assert ds_a.cache.k.sharding.device_set == set(devices[:4])
+    assert ds_a.cache.k[0].sharding.device_set == set(devices[:4])
 
     # Engine B is already busy with another request, in slot 0.
     prefix, _ = b.prefill_requests(params_b, [_request(prompts[3], 99)])
@@ -82,9 +82,9 @@ def _migrate_and_compare(config, mesh_a, mesh_b, exact):
     ds_b, _ = b.generate(params_b, ds_b)
 
     exported = a.export_slot(ds_a, 1)
-    assert exported.cache.k.sharding.device_set <= set(devices[:4])
+    assert exported.cache.k[0].sharding.device_set <= set(devices[:4])
     ds_b = b.import_slot(ds_b, 2, exported)
-    assert ds_b.cache.k.sharding.device_set == set(devices[4:])
+    assert ds_b.cache.k[0].sharding.device_set == set(devices[4:])
     assert b.active_slots(ds_b).tolist() == [True, False, True, False]
 
     in_place, migrated = [], []

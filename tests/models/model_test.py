@@ -41,11 +41,9 @@ def test_slots_at_different_positions_decode_independently():
     cache = KVCache.zeros(DENSE, 3, 16, jnp.float32)
     for row, seq in enumerate(seqs):  # prefill each row into its own cache row
         n = lengths[row]
-        single = KVCache(cache.k[:, row : row + 1], cache.v[:, row : row + 1])
+        single = jax.tree.map(lambda x, r=row: x[r : r + 1], cache)
         out = fn.forward(params, jnp.asarray(seq[None, :n]), jnp.arange(n)[None], single)
-        cache = KVCache(
-            cache.k.at[:, row].set(out.cache.k[:, 0]), cache.v.at[:, row].set(out.cache.v[:, 0])
-        )
+        cache = jax.tree.map(lambda x, y, r=row: x.at[r].set(y[0]), cache, out.cache)
     last = jnp.asarray([[s[-1]] for s in seqs])
     step = fn.forward(params, last, jnp.asarray([[n] for n in lengths]), cache)
     for row, seq in enumerate(seqs):
