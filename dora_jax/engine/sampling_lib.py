@@ -12,6 +12,7 @@ the same tokens whichever slot, batch or engine it runs in, including after a mi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -67,23 +68,43 @@ def filter_logits(
     vocab = scaled.shape[-1]
 
     def truncate(scaled: jax.Array) -> jax.Array:
-        ranked = -jnp.sort(-scaled, axis=-1)  # descending
-        rank = jnp.arange(vocab)[None, :]
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
-        in_top_k = rank < k
-        probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        # The first token is always kept; top_p == 1 keeps everything top-k kept (the running
-        # sum can round to 1.0 before the tail, which must not cut the tail off).
-        keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
-        keep = keep.at[:, 0].set(True)
-        kept = jnp.sum(keep, axis=-1)
-        threshold = jnp.take_along_axis(ranked, (kept - 1)[:, None], axis=-1)
-        return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+        keys = _order_keys(scaled)
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+        top_k_floor = _largest_threshold(keys, lambda t: jnp.sum(keys >= t, axis=-1) >= k)
+        in_top_k = keys >= top_k_floor[:, None]
+        probs = jax.nn.softmax(jnp.where(in_top_k, scaled, -jnp.inf), axis=-1)
+        mass = lambda t: jnp.sum(jnp.where(keys >= t, probs, 0.0), axis=-1)
+        top_p_floor = _largest_threshold(keys, lambda t: mass(t) >= top_p)
+        # top_p == 1 keeps everything top-k kept (the sum can round below 1.0 before the tail,
+        # which must not cut the tail off).
+        floor = jnp.where(top_p >= 1.0, top_k_floor, top_p_floor)
+        return jnp.where(keys >= floor[:, None], scaled, -jnp.inf)
 
-    # The sort costs O(V log V) per row; skip it when no row truncates.
+    # Truncation costs 64 passes over the vocabulary; skip it when no row truncates.
     truncating = jnp.any((top_k > 0) | (top_p < 1.0))
     return jax.lax.cond(truncating, truncate, lambda s: s, scaled)
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (sign-magnitude to offset binary)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_threshold(keys: jax.Array, holds: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """Per row, the largest t with holds(t [B, 1]) [B] true, for a `holds` that is true at 0 and
+    can only turn false as t grows: a bisection over the 32 bits of `keys` [B, V], so the
+    result is exact (it is the key of some token) and needs no sort of the vocabulary."""
+    rows = keys.shape[0]
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2 + (hi - lo) % 2  # upper middle; no uint32 overflow
+        ok = holds(mid[:, None])
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    bounds = (jnp.zeros(rows, jnp.uint32), jnp.full(rows, 0xFFFFFFFF, jnp.uint32))
+    return jax.lax.fori_loop(0, 32, halve, bounds)[0]
 
 
 def sample(
