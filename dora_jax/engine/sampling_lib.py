@@ -61,7 +61,8 @@ def filter_logits(
     """The logits of each row's sampling distribution: scaled, and -inf outside what it keeps.
 
     logits [B, V] float32; temperature, top_p [B] float32; top_k [B] int32. A row with
-    temperature 0 is scaled by 1 (greedy rows use the argmax, see `sample`).
+    temperature 0 is scaled by 1 (greedy rows use the argmax, see `sample`). Tokens tied at a
+    cut are kept or dropped together.
     """
     scale = jnp.where(temperature > 0, temperature, 1.0)
     scaled = logits / scale[:, None]
