@@ -44,10 +44,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.runtime.train_tp = 1
     c.runtime.num_instances = 3
     c.runtime.devices_per_instance = 1
-    # The trainer runs in its own process (every mode alike), so its Python never holds the
-    # controller's interpreter lock: dora's run then costs about its rollout alone plus 0.5 s,
-    # against plus 1.4 s in one process (BENCHMARKS.md). Its device is the training mesh's.
-    c.runtime.trainer_process = True
 
     c.workload = ml_collections.ConfigDict()
     c.workload.prompt_length = 8

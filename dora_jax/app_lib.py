@@ -75,13 +75,7 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "seed": config.seed})
     train = train_config(rollout, config.train)
     get_reward(config.reward.name)  # an unknown reward name fails here, not mid-run
-    if config.runtime.get("trainer_process"):
-        raise ValueError(
-            "runtime.trainer_process: only `dora-jax bench` runs the trainer in its own process "
-            "so far; `train` and `eval` keep it in this one (set it to False)"
-        )
-    runtime = {k: v for k, v in config.runtime.items() if k != "trainer_process"}
-    plan = plan_devices(**runtime)
+    plan = plan_devices(**config.runtime.to_dict())
     return Settings(rollout=rollout, train=train, plan=plan)
 
 

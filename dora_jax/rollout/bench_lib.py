@@ -28,7 +28,6 @@ from dora_jax.rollout.config_lib import RolloutConfig, train_config
 from dora_jax.rollout.runner_lib import Rollout
 from dora_jax.rollout.trajectory_lib import Trajectory
 from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
-from dora_jax.runtime.trainer_process_lib import TrainerProcess, TrainerSpec
 from dora_jax.train import Trainer
 
 REPORTED = ("trained_tokens_per_s", "rollout_time_s", "step_time_s", "bubble_fraction",
@@ -103,9 +102,7 @@ def precompile_engines(engines: list[Engine]) -> None:
         jax.block_until_ready(engine.free_slot(state, 1))
 
 
-def precompile_trainer(
-    trainer: Trainer | TrainerProcess, config: ml_collections.ConfigDict
-) -> None:
+def precompile_trainer(trainer: Trainer, config: ml_collections.ConfigDict) -> None:
     """Compiles a training step per length bucket; the caller restores the trainer's state."""
     r, w = config.rollout, config.workload
     longest = w.prompt_length + w.max_length
@@ -157,7 +154,7 @@ def run_mode(
     config: ml_collections.ConfigDict,
     rollout_config: RolloutConfig,
     engines: list[Engine],
-    trainer: Trainer | TrainerProcess,
+    trainer: Trainer,
     workdir: str,
 ) -> dict[str, float]:
     """One measured run of one paradigm over the whole workload (`num_iterations` batches, the
@@ -199,68 +196,31 @@ def run_bench(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict
     repeats in `WORKDIR/<mode>/repeat<r>/`; every repeat must write the same ledger.
     """
     modes = config.modes.split(",")
-    runtime = config.runtime.to_dict()
-    trainer_process = runtime.pop("trainer_process", False)
-    plan = plan_devices(**runtime)
+    plan = plan_devices(**config.runtime.to_dict())
     # The same initialisation for every mode; each trainer owns its copy (its steps donate it).
     model_config = models.ModelConfig(**config.model.to_dict())
     engines = _engines(config, models.create(model_config, seed=config.seed), plan)
     precompile_engines(engines)
     setups = {}
-    trainers = []
-    try:
-        for mode in modes:
-            rollout_config = RolloutConfig.from_dict(
-                {**config.rollout.to_dict(), "mode": mode, "seed": config.seed}
-            )
-            trainer = _trainer(config, model_config, rollout_config, plan, trainer_process)
-            trainers.append(trainer)
-            initial = jax.tree.map(np.array, jax.device_get(trainer.state))
-            setups[mode] = (rollout_config, trainer, initial)
-            precompile_trainer(trainer, config)
+    for mode in modes:
+        rollout_config = RolloutConfig.from_dict(
+            {**config.rollout.to_dict(), "mode": mode, "seed": config.seed}
+        )
+        trainer = Trainer(
+            models.create(model_config, seed=config.seed),
+            train_config(rollout_config, config.train),
+            plan.train_mesh,
+        )
+        initial = jax.tree.map(np.array, jax.device_get(trainer.state))
+        precompile_trainer(trainer, config)
+        trainer.restore(initial)
+        if config.warmup_iterations > 0:
+            warm = dataclasses.replace(rollout_config, num_iterations=config.warmup_iterations)
+            prompts = workload(config, config.seed + 1, config.warmup_iterations)
+            warm_dir = os.path.join(workdir, mode, "warmup")
+            Rollout(warm, engines, trainer, prompts, _parity_reward, warm_dir).run()
             trainer.restore(initial)
-            if config.warmup_iterations > 0:
-                warm = dataclasses.replace(rollout_config, num_iterations=config.warmup_iterations)
-                prompts = workload(config, config.seed + 1, config.warmup_iterations)
-                warm_dir = os.path.join(workdir, mode, "warmup")
-                Rollout(warm, engines, trainer, prompts, _parity_reward, warm_dir).run()
-                trainer.restore(initial)
-        runs = _measure(config, modes, setups, engines, workdir)
-    finally:
-        for trainer in trainers:
-            if isinstance(trainer, TrainerProcess):
-                trainer.close()
-    results = {mode: _summary(runs[mode], os.path.join(workdir, mode)) for mode in modes}
-    with open(os.path.join(workdir, "bench.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    print(format_table(results))
-    return results
-
-
-def _trainer(
-    config: ml_collections.ConfigDict,
-    model_config: models.ModelConfig,
-    rollout_config: RolloutConfig,
-    plan: DevicePlan,
-    in_own_process: bool,
-) -> Trainer | TrainerProcess:
-    """The mode's trainer, in this process on the plan's training mesh or in its own process
-    (`runtime.trainer_process`) on as many CPU devices."""
-    train = train_config(rollout_config, config.train)
-    if not in_own_process:
-        return Trainer(models.create(model_config, seed=config.seed), train, plan.train_mesh)
-    fsdp, tp = plan.train_mesh.shape["fsdp"], plan.train_mesh.shape["tp"]
-    return TrainerProcess(TrainerSpec(model_config, train, config.seed, fsdp, tp))
-
-
-def _measure(
-    config: ml_collections.ConfigDict,
-    modes: list[str],
-    setups: dict[str, tuple[RolloutConfig, Any, Any]],
-    engines: list[Engine],
-    workdir: str,
-) -> dict[str, list[dict[str, float]]]:
-    """The measured runs: `config.repeats` rounds, the modes taking turns in a rotating order."""
+        setups[mode] = (rollout_config, trainer, initial)
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     for repeat in range(config.repeats):
         shift = repeat % len(modes)
@@ -270,7 +230,11 @@ def _measure(
             runs[mode].append(run_mode(config, rollout_config, engines, trainer, run_dir))
             trainer.restore(initial)
             print(f"{mode} (repeat {repeat}): {runs[mode][-1]}", flush=True)
-    return runs
+    results = {mode: _summary(runs[mode], os.path.join(workdir, mode)) for mode in modes}
+    with open(os.path.join(workdir, "bench.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    print(format_table(results))
+    return results
 
 
 def _summary(runs: list[dict[str, float]], workdir: str) -> dict[str, Any]:

@@ -27,7 +27,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("rollout", "staleness_bound", -1, "rollout.staleness_bound"),
         ("rollout", "mode", "async_magic", "rollout.mode"),
         ("runtime", "num_instances", 9, "runtime.num_instances"),
-        ("runtime", "trainer_process", True, "runtime.trainer_process"),
         ("train", "loss", "no_such_loss", "loss"),
         ("reward", "name", "no_such_reward", "no_such_reward"),
         ("model", "dtype", "float8", "model.dtype"),

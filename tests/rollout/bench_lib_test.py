@@ -87,18 +87,3 @@ def test_bench_reports_every_mode_on_identical_work(tmp_path):
         steps, instance_steps = saved[mode]["decode_steps"], saved[mode]["instance_steps"]
         assert instance_steps * config.engine.slots >= decoded, mode
         assert steps <= instance_steps <= config.runtime.num_instances * steps, mode
-
-
-def test_trainer_in_its_own_process_writes_the_same_ledger(tmp_path):
-    """Same config and seed, the trainer in this process or in its own: the same samples with
-    the same tokens and rewards (the published weights cross the process boundary intact)."""
-    config = tiny_config()
-    config.modes, config.repeats, config.warmup_iterations = "dora", 1, 0
-    ledgers = {}
-    for in_own_process in (False, True):
-        config.runtime.trainer_process = in_own_process
-        workdir = tmp_path / str(in_own_process)
-        bench_lib.run_bench(config, str(workdir))
-        ledgers[in_own_process] = (workdir / "dora" / ledger_lib.LEDGER_FILE).read_bytes()
-    assert b'"event": "train"' in ledgers[True]
-    assert ledgers[True] == ledgers[False]
