@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import os
 import pathlib
 
 from dora_jax.rollout import audit_lib, bench_lib, ledger_lib
@@ -66,6 +67,8 @@ def test_bench_reports_every_mode_on_identical_work(tmp_path):
         assert saved[mode]["trained_tokens"] == results[mode]["trained_tokens"]
         assert len(saved[mode]["trained_tokens_per_s_repeats"]) == config.repeats
         assert saved[mode]["ledgers_identical"], mode  # same seed, same config: same ledger
+        # Process CPU time over a run: positive, and no more than every core busy all along.
+        assert 0 < saved[mode]["cpu_seconds"] <= saved[mode]["wall_seconds"] * os.cpu_count()
         report = audit_lib.audit(str(tmp_path / mode))
         if mode == "partial":
             assert not report.rules["C1"], report.format()  # re-prefill under new versions
