@@ -33,8 +33,8 @@ from dora_jax.train import Trainer
 REPORTED = ("trained_tokens_per_s", "rollout_time_s", "step_time_s", "bubble_fraction",
             "slot_occupancy")  # fmt: skip
 # The printed table adds the schedule's decode cost in logical units (noise-free) and the CPU
-# time the whole process spent on the run: on a host with fewer cores than busy threads, the
-# ratio of two modes' CPU-seconds bounds the ratio of their throughputs.
+# time the whole process spent on the run: no run can take less wall time than its CPU-seconds
+# over the host's cores, which bounds how far better overlap alone could take a mode.
 TABLE = (*REPORTED, "instance_steps", "cpu_seconds")
 
 
