@@ -166,11 +166,11 @@ def run_mode(
     over the run (every thread: controller, trainer, XLA's device threads). The trainer must
     hold the initial state."""
     prompts = workload(config, config.seed, rollout_config.num_iterations)
-    cpu_start = _process_cpu_seconds()
+    cpu_start = time.process_time()
     start = time.perf_counter()
     history = Rollout(rollout_config, engines, trainer, prompts, _parity_reward, workdir).run()
     wall = time.perf_counter() - start
-    cpu = _process_cpu_seconds() - cpu_start
+    cpu = time.process_time() - cpu_start
     seconds = sum(m["iteration_time_s"] for m in history)
     tokens = sum(m["trained_tokens"] for m in history)
     return {
@@ -189,11 +189,6 @@ def run_mode(
         "instance_steps": sum(m.get("instance_steps", 0.0) for m in history),
         "audit_passed": audit_lib.audit(workdir).passed,
     }
-
-
-def _process_cpu_seconds() -> float:
-    times = os.times()
-    return times.user + times.system
 
 
 def run_bench(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict[str, Any]]:
