@@ -81,13 +81,16 @@ def precompile_engines(engines: list[Engine]) -> None:
     prompt + generated tokens, any length) and every slot move."""
     for engine in engines:
         params = engine.load_params()
-        sizes = [1 << i for i in range((engine.max_concurrent_decodes - 1).bit_length() + 1)]
+        # A prefill's rows are padded to a power of two, so these request counts give every
+        # shape admission can take, up to the one that holds all slots (e.g. 32 rows for 24).
+        slots = engine.max_concurrent_decodes
+        counts = [min(1 << i, slots) for i in range((slots - 1).bit_length() + 1)]
         for bucket in engine.prefill_buckets:
             tokens = np.ones(bucket, np.int32)
             request = EngineRequest(
                 prompt_tokens=tokens, max_new_tokens=1, ignore_eos=True, seed=0, id=(-1, 0)
             )
-            for n in sizes:
+            for n in counts:
                 state, _ = engine.admit(
                     params, engine.init_decode_state(), [request] * n, list(range(n))
                 )

@@ -10,6 +10,12 @@ import json
 import os
 import pathlib
 
+import jax
+from tiny_models import DENSE
+
+from dora_jax.engine import Engine
+from dora_jax.engine.request_lib import Request as EngineRequest
+from dora_jax.models import create
 from dora_jax.rollout import audit_lib, bench_lib, ledger_lib
 
 BENCH_CONFIG = pathlib.Path(__file__).parents[2] / "configs" / "bench_longtail.py"
@@ -90,3 +96,20 @@ def test_bench_reports_every_mode_on_identical_work(tmp_path):
         steps, instance_steps = saved[mode]["decode_steps"], saved[mode]["instance_steps"]
         assert instance_steps * config.engine.slots >= decoded, mode
         assert steps <= instance_steps <= config.runtime.num_instances * steps, mode
+
+
+def test_precompile_covers_every_admission_shape_for_any_slot_count():
+    # 3 slots: a full admission pads its rows to 4, more rows than slots.
+    engine = Engine(
+        create(DENSE, seed=0), max_concurrent_decodes=3, max_prefill_length=16, max_decode_length=4
+    )
+    bench_lib.precompile_engines([engine])
+    compiled = engine._admit_jit._cache_size()
+    params = engine.load_params()
+    for length in (1, 9):  # one prompt per prefill bucket (8, 16)
+        for n in range(1, 4):
+            request = EngineRequest(prompt_tokens=[1] * length, max_new_tokens=2, seed=0)
+            state, _ = engine.admit(params, engine.init_decode_state(), [request] * n, range(n))
+            jax.block_until_ready(state)
+    assert engine.prefill_buckets == (8, 16)
+    assert engine._admit_jit._cache_size() == compiled  # nothing new compiled mid-run
