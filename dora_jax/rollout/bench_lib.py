@@ -23,7 +23,7 @@ import numpy as np
 from dora_jax import models
 from dora_jax.engine import Engine
 from dora_jax.engine.request_lib import Request as EngineRequest
-from dora_jax.rollout import audit_lib, ledger_lib, request_lib
+from dora_jax.rollout import audit_lib, ledger_lib, request_lib, telemetry_lib
 from dora_jax.rollout.config_lib import RolloutConfig, train_config
 from dora_jax.rollout.runner_lib import Rollout
 from dora_jax.rollout.trajectory_lib import Trajectory
@@ -190,8 +190,23 @@ def run_mode(
         "trainer_idle_s": sum(m["trainer_idle_s"] for m in history),
         "decode_steps": sum(m.get("decode_steps", 0.0) for m in history),
         "instance_steps": sum(m.get("instance_steps", 0.0) for m in history),
+        **_steps_by_lag(history),
         "audit_passed": audit_lib.audit(workdir).passed,
     }
+
+
+def _steps_by_lag(history: list[dict[str, float]]) -> dict[str, float]:
+    """Instance steps by the hosted version's lag behind the newest, and the slot occupancy of
+    those steps (step-weighted, logical: the same on every run of a config and seed)."""
+    figures = {}
+    for lag in telemetry_lib.LAG_LABELS:
+        steps, busy, slots = (
+            sum(m.get(f"{kind}/{lag}", 0.0) for m in history)
+            for kind in ("instance_steps", "busy_slot_steps", "slot_steps")
+        )
+        figures[f"instance_steps/{lag}"] = steps
+        figures[f"step_occupancy/{lag}"] = busy / slots if slots else 0.0
+    return figures
 
 
 def run_bench(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict[str, Any]]:
@@ -273,4 +288,12 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     for mode, r in results.items():
         ratio = r["trained_tokens_per_s"] / baseline if baseline else float("nan")
         lines.append(f"{mode:<14}" + "".join(f"{r[k]:>22.3f}" for k in TABLE) + f"{ratio:>9.2f}x")
+    labels = telemetry_lib.LAG_LABELS
+    lines.append("instance steps (slot occupancy) by the hosted version's lag behind the newest:")
+    lines.append(f"{'mode':<14}" + "".join(f"{lag:>22}" for lag in labels))
+    for mode, r in results.items():
+        cells = [
+            f"{r[f'instance_steps/{lag}']:.0f} ({r[f'step_occupancy/{lag}']:.2f})" for lag in labels
+        ]
+        lines.append(f"{mode:<14}" + "".join(f"{c:>22}" for c in cells))
     return "\n".join(lines)

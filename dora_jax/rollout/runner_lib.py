@@ -254,7 +254,8 @@ class Rollout:
                 label = "prefill+decode"
             self.telemetry.state(x.name, f"{label} v{x.version}", t0, version=x.version)
         self._admitting.clear()
-        self.telemetry.decode_step(busy, (now - t0) / 1e6)
+        lags = [self.window.newest - x.version if busy[x.index] else 0 for x in self.instances]
+        self.telemetry.decode_step(busy, (now - t0) / 1e6, lags)
         for x in failed:
             self._fail(x)
 

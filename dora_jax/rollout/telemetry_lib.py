@@ -7,6 +7,10 @@ The two bubbles of DESIGN.md are measured apart, both weighted by wall time:
 - `bubble_fraction` (the inter-instance bubble): the fraction of instance-time with nothing to
   decode. Each decode step's duration counts for every instance, and time the controller spends
   waiting for the trainer counts as idle for all of them.
+
+Beside them, logical counts (`instance_steps`, split by how far each instance's version lags
+the newest: `instance_steps/lag0`, ..., with `busy_slot_steps/` and `slot_steps/` for the
+occupancy of each) say where a schedule's decode steps go, free of the host's timing noise.
 """
 
 from __future__ import annotations
@@ -17,6 +21,16 @@ from typing import Any
 from dora_jax.observe.trace_lib import TraceWriter
 
 TRAINER_TRACK = "trainer"
+# Lags from the newest version at or past this one count together: K may be large, and what
+# matters is how much decoding goes to the versions well behind the newest.
+LAG_BUCKETS = 3
+
+
+def lag_label(lag: int) -> str:
+    return f"lag{lag}" if lag < LAG_BUCKETS else f"lag{LAG_BUCKETS}+"
+
+
+LAG_LABELS = tuple(lag_label(lag) for lag in range(LAG_BUCKETS + 1))
 
 
 class Telemetry:
@@ -61,16 +75,24 @@ class Telemetry:
 
     # -- occupancy ------------------------------------------------------------------------
 
-    def decode_step(self, busy_slots: list[int], seconds: float) -> None:
+    def decode_step(self, busy_slots: list[int], seconds: float, lags: list[int]) -> None:
+        """One decode step: `busy_slots[i]` requests decoded on instance i, which hosts a
+        version `lags[i]` behind the newest published one."""
         # Logical counts beside the timings: the same on any machine for the same config and
         # seed, so modes compare without the noise of a shared host. An instance's step costs
         # about the same however many of its slots are busy, so instance steps are the decode
-        # cost of a schedule.
+        # cost of a schedule; split by lag they show where a multi-version schedule spends it
+        # (old versions' long tails decoding on instances of their own).
         self.counters["decode_steps"] += 1
         self.counters["instance_steps"] += sum(1 for busy in busy_slots if busy)
         for i, busy in enumerate(busy_slots):
             self.busy_slot_time[i] += busy * seconds
             self.busy_time[i] += seconds if busy else 0.0
+            if busy:
+                lag = lag_label(lags[i])
+                self.counters[f"instance_steps/{lag}"] += 1
+                self.counters[f"slot_steps/{lag}"] += self.num_slots[i]
+                self.counters[f"busy_slot_steps/{lag}"] += busy
         self.total_time += seconds
         self.rollout_time += seconds
 

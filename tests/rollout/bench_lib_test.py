@@ -16,7 +16,7 @@ from tiny_models import DENSE
 from dora_jax.engine import Engine
 from dora_jax.engine.request_lib import Request as EngineRequest
 from dora_jax.models import create
-from dora_jax.rollout import audit_lib, bench_lib, ledger_lib
+from dora_jax.rollout import audit_lib, bench_lib, ledger_lib, telemetry_lib
 
 BENCH_CONFIG = pathlib.Path(__file__).parents[2] / "configs" / "bench_longtail.py"
 
@@ -96,6 +96,18 @@ def test_bench_reports_every_mode_on_identical_work(tmp_path):
         steps, instance_steps = saved[mode]["decode_steps"], saved[mode]["instance_steps"]
         assert instance_steps * config.engine.slots >= decoded, mode
         assert steps <= instance_steps <= config.runtime.num_instances * steps, mode
+        # The same steps split by the hosted version's lag: they add up, and their busy slots
+        # cover every decoded token again.
+        by_lag = {lag: saved[mode][f"instance_steps/{lag}"] for lag in telemetry_lib.LAG_LABELS}
+        assert sum(by_lag.values()) == instance_steps, mode
+        busy = sum(
+            n * saved[mode][f"step_occupancy/{lag}"] * config.engine.slots
+            for lag, n in by_lag.items()
+        )
+        assert busy >= decoded * (1 - 1e-9), mode
+    # Only the newest version decodes in sync, and partial reloads it everywhere at each update.
+    for mode in ("sync", "partial"):
+        assert saved[mode]["instance_steps/lag0"] == saved[mode]["instance_steps"], mode
 
 
 def test_precompile_covers_every_admission_shape_for_any_slot_count():

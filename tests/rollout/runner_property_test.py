@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from rollout_doubles import token_at, version_of
 from rollout_harness import make_rollout
 
-from dora_jax.rollout import audit_lib, ledger_lib
+from dora_jax.rollout import audit_lib, ledger_lib, telemetry_lib
 
 MODES = ("sync", "one_step_off", "partial", "dora")
 
@@ -92,6 +92,16 @@ def test_every_mode_terminates_and_keeps_the_rules(tmp_path_factory, setup):
         assert all(i - t.version == 1 for i, b in enumerate(trainer.batches) if i for t in b)
     if setup["mode"] == "sync":
         assert set(hist) == {0}
+    # An instance never decodes a version further behind the newest than the mode's bound lets
+    # its samples be trained: sync and partial (every instance reloads at each update) decode
+    # the newest only, one_step_off at most one behind, dora at most K.
+    bound = {"sync": 0, "partial": 0, "one_step_off": 1, "dora": rollout.queue.k}[setup["mode"]]
+    steps = collections.Counter()
+    for m in metrics:
+        steps.update({k: v for k, v in m.items() if k.startswith("instance_steps/")})
+    allowed = {telemetry_lib.lag_label(lag) for lag in range(bound + 1)}
+    assert sum(steps[f"instance_steps/{lag}"] for lag in allowed) == sum(steps.values())
+    assert sum(steps.values()) == sum(m.get("instance_steps", 0) for m in metrics)
 
 
 @settings(max_examples=15, deadline=None)
