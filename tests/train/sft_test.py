@@ -58,9 +58,10 @@ def test_learns_to_reverse_short_strings_on_a_sharded_mesh():
     for _ in range(150):
         tokens, mask = sft_lib.pack_examples([example() for _ in range(32)], 8, 0)
         trainer.step(tokens, mask)
-    # Evaluate on one device: the greedy loop below runs each op eagerly, and eager ops on the
-    # 4 x 2 mesh are hundreds of tiny cross-device programs whose collectives once aborted the
-    # test process on a loaded 2-core host. Training above is what runs sharded.
+    # Evaluate on one device: the greedy loop below runs each op eagerly, and on the 4 x 2 mesh
+    # that is hundreds of tiny cross-device programs per sequence; a test worker aborted once
+    # inside that loop on a loaded 2-core host (not reproduced since). Training above is what
+    # runs sharded.
     graphdef, state = nnx.split(trainer.model())
     model = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
     correct = 0
