@@ -39,6 +39,7 @@ from dora_jax.engine.slots_lib import (
     unwrap_params,
 )
 from dora_jax.models import Functional, KVCache, Transformer, sharding_lib
+from dora_jax.runtime import transfer_lib
 
 # The leading columns of `_HostRows.ints`, one per row; the eos ids and the tokens follow.
 _LENGTH, _REAL, _SLOT, _VERSION, _TOP_K, _SEED, _MAX_NEW, _MIN_NEW = range(8)
@@ -266,10 +267,16 @@ class Engine:
         """The model's current params, sharded onto the engine's mesh, as policy `version`."""
         return self.shard_params(nnx.state(self._model), version=version)
 
+    @property
+    def param_shardings(self) -> Any:
+        """Shardings (a params state of them) of the engine's params on its mesh: where a new
+        policy version should be placed before `shard_params` wraps it."""
+        return self._param_shardings
+
     def shard_params(self, state: Any, version: int) -> PolicyParams:
         """Places a params state (same structure as the model's) on the engine's mesh."""
         return PolicyParams(
-            sharding_lib.shard_state(state, self._param_shardings), version=int(version)
+            transfer_lib.put(state, self._param_shardings).tree, version=int(version)
         )
 
     # ---- decode state ---------------------------------------------------------------------

@@ -74,13 +74,8 @@ def param_shardings(
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def shard_state(state: Any, shardings: Any) -> Any:
-    """Places every leaf of `state` with the matching sharding (a cross-mesh copy if needed)."""
-    return jax.device_put(state, shardings)
-
-
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES):
     """Moves `model`'s parameters onto `mesh` in place, sharded by the rules."""
     state = nnx.state(model)
-    nnx.update(model, shard_state(state, param_shardings(state, mesh, rules)))
+    nnx.update(model, jax.device_put(state, param_shardings(state, mesh, rules)))
     return model

@@ -4,28 +4,25 @@ The instance holds a real copy of its version's params on its own devices; loadi
 version replaces (and so frees) it. It drives the engine through `admit` (a batched prefill
 straight into free slots) and JetStream's `generate`, plus the slot moves DORA needs
 (`export_slot`, `import_slot`, `free_slot`); params are the engine's `PolicyParams` (state +
-version), placed with `engine.shard_params`, and each token's version is the engine's tag on its
-result. `dispatch_prefill` and `dispatch_generate` only enqueue work (JAX async dispatch) and one
-`collect` reads it all back, so the controller starts every instance's admissions and decode
-step before it reads any token: that is where generation meshes overlap with each other and
-with the trainer, and a turn that admits requests costs no extra host round trip.
+version), moved onto the engine's `param_shardings` by `runtime.transfer_lib`, and each token's
+version is the engine's tag on its result. `dispatch_prefill` and `dispatch_generate` only
+enqueue work (JAX async dispatch) and one `collect` reads it all back, so the controller starts
+every instance's admissions and decode step before it reads any token: that is where
+generation meshes overlap with each other and with the trainer, and a turn that admits requests
+costs no extra host round trip.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-import jax
 import numpy as np
 
 from dora_jax.engine.request_lib import FinishReason
 from dora_jax.engine.request_lib import Request as EngineRequest
+from dora_jax.engine.slots_lib import PolicyParams
 from dora_jax.rollout.request_lib import Request
-
-
-def tree_nbytes(tree: Any) -> int:
-    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)))
+from dora_jax.runtime import transfer_lib
 
 
 def read_rows(result: Any) -> list[tuple[int, float, int]]:
@@ -43,10 +40,9 @@ def read_rows(result: Any) -> list[tuple[int, float, int]]:
 
 
 class RolloutInstance:
-    def __init__(self, index: int, engine: Any, param_shardings: Any):
+    def __init__(self, index: int, engine: Any):
         self.index = index
         self.engine = engine
-        self.param_shardings = param_shardings  # where the trainer publishes for this instance
         self.version: int | None = None
         self.params: Any = None  # the engine's PolicyParams of `version`, on this mesh
         self.slots: list[Request | None] = [None] * engine.max_concurrent_decodes
@@ -80,12 +76,11 @@ class RolloutInstance:
         """
         if self.active():
             raise RuntimeError(f"{self.name}: cannot switch versions with requests in its slots")
-        start = time.perf_counter()
         self.params = None
-        self.params = self.engine.shard_params(state, version=version)
-        jax.block_until_ready(self.params)
+        moved = transfer_lib.put(state, self.engine.param_shardings)
+        self.params = PolicyParams(moved.tree, version=version)
         self.version = version
-        return time.perf_counter() - start, tree_nbytes(self.params)
+        return moved.seconds, moved.nbytes
 
     def unload(self) -> None:
         """Frees the hosted version's params (its version retired)."""

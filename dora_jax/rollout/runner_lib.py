@@ -21,19 +21,18 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
-from dora_jax.models import sharding_lib
 from dora_jax.observe.trace_lib import TraceWriter
 from dora_jax.rollout import ledger_lib, paradigms_lib
 from dora_jax.rollout.config_lib import RolloutConfig
-from dora_jax.rollout.instance_lib import RolloutInstance, tree_nbytes
+from dora_jax.rollout.instance_lib import RolloutInstance
 from dora_jax.rollout.queue_lib import TrajectoryQueue
 from dora_jax.rollout.request_lib import PromptSource, Request, RewardFn
 from dora_jax.rollout.telemetry_lib import TRAINER_TRACK, Telemetry
 from dora_jax.rollout.trajectory_lib import Trajectory
 from dora_jax.rollout.window_lib import VersionWindow
+from dora_jax.runtime import transfer_lib
 
 
 class Rollout:
@@ -67,10 +66,7 @@ class Rollout:
         self.checkpoint_every = checkpoint_every
         self.on_checkpoint = on_checkpoint
         self._draining = False
-        self.instances = [
-            RolloutInstance(i, e, sharding_lib.param_shardings(trainer.params, e.mesh))
-            for i, e in enumerate(engines)
-        ]
+        self.instances = [RolloutInstance(i, e) for i, e in enumerate(engines)]
         self.queue = TrajectoryQueue(config.group_size, k, config.groups_per_batch)
         self.window = VersionWindow(self.queue)
         self.ledger = ledger_lib.Ledger(workdir, resume_offset=resume and resume["ledger_offset"])
@@ -88,7 +84,9 @@ class Rollout:
         # Trainer copies of published versions that no instance holds yet (version 0: the
         # initial params, copied before the trainer's first step donates them).
         self.staged: dict[int, Any] = {
-            0: jax.device_put(trainer.params, self.instances[0].param_shardings, may_alias=False)
+            0: transfer_lib.put(
+                trainer.params, self.instances[0].engine.param_shardings, copy=True
+            ).tree
         }
         self.tick = 0
         self.selected = 0  # batches handed to the trainer
@@ -322,7 +320,7 @@ class Rollout:
         """Moves a request with its KV cache to another instance of the same version."""
         t0 = self.trace.now_us()
         request, exported = src.export(slot)
-        nbytes = tree_nbytes(exported)
+        nbytes = transfer_lib.tree_nbytes(exported)
         dst.import_(dst_slot, request, exported)
         t1 = self.trace.now_us()
         for x in (src, dst):
@@ -374,7 +372,7 @@ class Rollout:
         )
         self._trainer_busy_s += (t1 - t0) / 1e6
         target = min(self.healthy(), key=lambda x: (len(x.active()), x.index))
-        published = self.trainer.publish(target.param_shardings)
+        published = self.trainer.publish(target.engine.param_shardings)
         self.staged[published.version] = published.params
         self.window.newest = published.version
         self._training = None

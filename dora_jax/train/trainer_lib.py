@@ -8,8 +8,8 @@ and optimizer state, so memory holds one copy of each. A non-finite loss or grad
 the old params and optimizer state bit for bit (a `where` on every leaf) and is counted.
 
 `publish` ends an iteration: the version becomes v + 1 and a copy of the params is placed on
-the generation mesh's shardings. The trainer's own buffers are never donated to the copy: the
-next step needs them.
+the generation mesh's shardings (`runtime.transfer_lib`). The trainer's own buffers are never
+donated to the copy: the next step needs them.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.models import Functional, Transformer, sharding_lib
 from dora_jax.rollout.trajectory_lib import Trajectory
+from dora_jax.runtime import transfer_lib
 from dora_jax.train import advantage_lib, batch_lib, loss_lib, optimizer_lib
 from dora_jax.train.config_lib import TrainConfig
 
@@ -238,22 +239,20 @@ class Trainer:
         """Ends the iteration: version v -> v + 1; returns a copy of the params placed on
         `target_shardings` (e.g. `sharding_lib.param_shardings(trainer.params, gen_mesh)`),
         or on the training mesh when None."""
-        start = time.perf_counter()
-        params = jax.device_put(
+        moved = transfer_lib.put(
             self._params,
             self._shardings if target_shardings is None else target_shardings,
-            may_alias=False,
+            copy=True,
         )
-        jax.block_until_ready(params)
-        seconds = time.perf_counter() - start
         self._version += 1
         if self.config.tis_cap is not None:
             self._history[self._version] = self._copy(self._params)
             oldest = self._version - self.config.max_staleness
             self._history = {v: p for v, p in self._history.items() if v >= oldest}
-        nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
         return Published(
-            params, self._version, {"publish_seconds": seconds, "publish_bytes": float(nbytes)}
+            moved.tree,
+            self._version,
+            {"publish_seconds": moved.seconds, "publish_bytes": float(moved.nbytes)},
         )
 
     # -- internals --------------------------------------------------------------------------

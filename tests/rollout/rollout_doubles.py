@@ -1,14 +1,13 @@
 """Cheap test doubles for the engine and trainer that honour their contracts.
 
-`EngineDouble` has `dora_jax.engine.Engine`'s interface and semantics (batched
-`prefill_requests` and `admit`, JetStream's `insert` / `generate`, `shard_params` giving
+`EngineDouble` has `dora_jax.engine.Engine`'s interface and semantics (batched `prefill_requests`
+and `admit`, JetStream's `insert` / `generate`, `param_shardings` and `shard_params` giving
 `PolicyParams`, `free_slot`, `export_slot`, `import_slot`, `ResultTokens` with per-slot finish
-reasons and behaviour log-probs): fixed slots, one token per busy slot per decode step,
-per-request forced length (`max_new_tokens` with `ignore_eos`), inserting into a busy slot is an
-error, a finished slot stops by itself. Its tokens are a pure function of (seed, token index)
-like the real sampler's PRNG keys, and each log-prob encodes the version stored *in the weights
-it was given*, so tests recover which version sampled every token without trusting anybody's
-bookkeeping.
+reasons and behaviour log-probs): fixed slots, one token per busy slot per decode step, per-request
+forced length (`max_new_tokens` with `ignore_eos`), inserting into a busy slot is an error, a
+finished slot stops by itself. Its tokens are a pure function of (seed, token index) like the real
+sampler's PRNG keys, and each log-prob encodes the version stored *in the weights it was given*, so
+tests recover which version sampled every token without trusting anybody's bookkeeping.
 
 `TrainerDouble` counts versions and checks each batch like the real trainer's contract
 (exactly TBS samples in complete groups, staleness within K).
@@ -98,10 +97,12 @@ class EngineDouble:
         self.steps = 0
         self.prefills = 0
 
+    @property
+    def param_shardings(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())  # every leaf replicated on the mesh
+
     def shard_params(self, state: Any, version: int) -> PolicyParams:
-        return PolicyParams(
-            jax.device_put(state, NamedSharding(self.mesh, PartitionSpec())), int(version)
-        )
+        return PolicyParams(jax.device_put(state, self.param_shardings), int(version))
 
     def init_decode_state(self) -> dict[str, np.ndarray]:
         s = self.max_concurrent_decodes

@@ -1,0 +1,43 @@
+"""Weight transfer between meshes: the one place a policy version's params change devices.
+
+DORA moves weights on every version change: the trainer publishes a new version onto a
+generation mesh, and an instance that needs a version some other instance already holds copies
+it from there instead (DESIGN.md, orchestrator step 3). Both are the same operation: place a
+pytree with another mesh's shardings, wait until it is there, and account for the seconds and
+bytes, which the rollout reports as weight-move time. In one controller (the Pathways shape)
+`jax.device_put` across meshes is that copy; the runtime owns it so that a multi-host transport
+replaces it here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    tree: Any  # the placed pytree
+    seconds: float  # until every leaf was on its target devices
+    nbytes: int  # bytes of the placed pytree, over all its leaves
+
+
+def tree_nbytes(tree: Any) -> int:
+    """Bytes of every array leaf of `tree` (its global size, not per device)."""
+    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)))
+
+
+def put(tree: Any, shardings: Any, *, copy: bool = False) -> Transfer:
+    """Places `tree` with `shardings` (a matching pytree) and waits until it is there.
+
+    `copy=True` always makes fresh buffers: the trainer donates its params to its next step, so
+    a published version must not alias them. Without it, leaves already placed as asked are
+    reused, which makes loading a version the trainer published straight onto this mesh free.
+    """
+    start = time.perf_counter()
+    placed = jax.device_put(tree, shardings, may_alias=False if copy else None)
+    jax.block_until_ready(placed)
+    return Transfer(placed, time.perf_counter() - start, tree_nbytes(placed))
