@@ -5,7 +5,8 @@ request's drawn length), same engines, same trainer settings: only the schedulin
 ratios between modes are what the paradigm buys. Compilation and a warm-up run of each mode come
 before anything is measured; the modes then take turns over `repeats` measured runs and each
 figure is the median. The ledgers and traces of every mode stay under `WORKDIR/<mode>/` for the
-audit and Perfetto.
+audit and Perfetto. A `mode@variant` entry runs a mode with other rollout settings
+(`rollout_configs`) on the same work, in the same process.
 """
 
 from __future__ import annotations
@@ -209,9 +210,41 @@ def _steps_by_lag(history: list[dict[str, float]]) -> dict[str, float]:
     return figures
 
 
+# A variant may retune the schedule, never the work: every entry trains the same samples.
+_WORKLOAD_FIELDS = ("mode", "train_batch_size", "group_size", "num_iterations", "seed")
+
+
+def rollout_configs(config: ml_collections.ConfigDict) -> dict[str, RolloutConfig]:
+    """The rollout config of each entry of `config.modes`, in order: a paradigm's name (`dora`)
+    runs `config.rollout` as it is; `mode@name` runs it with `config.variants.name`'s fields
+    over it, so settings are compared in one process, taking turns with the plain modes (runs
+    in separate processes on a shared host differ by more than most settings do)."""
+    configs = {}
+    for entry in config.modes.split(","):
+        mode, _, variant = entry.partition("@")
+        fields = {**config.rollout.to_dict(), "mode": mode, "seed": config.seed}
+        if variant:
+            if variant not in config.get("variants", {}):
+                raise ValueError(f"modes: {entry!r} names no entry of config.variants")
+            overrides = config.variants[variant].to_dict()
+            for field in overrides:
+                if field in _WORKLOAD_FIELDS:
+                    raise ValueError(
+                        f"variants.{variant}.{field}: a variant cannot change the workload "
+                        f"(set it in rollout.{field} for every mode)"
+                    )
+            fields.update(overrides)
+        try:
+            configs[entry] = RolloutConfig.from_dict(fields)
+        except ValueError as e:
+            raise ValueError(f"modes: {entry!r}: {e}") from e
+    return configs
+
+
 def run_bench(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict[str, Any]]:
-    """Runs every mode of `config.modes` `config.repeats` times, interleaved, and reports each
-    figure's median; prints the table and writes `WORKDIR/bench.json`.
+    """Runs every entry of `config.modes` (a paradigm, or a `mode@variant`, see
+    `rollout_configs`) `config.repeats` times, interleaved, and reports each figure's median;
+    prints the table and writes `WORKDIR/bench.json`.
 
     Everything is set up and compiled once: the engines are shared by all modes, and each mode's
     trainer (its staleness guard is the mode's own bound) compiles its steps and runs a
@@ -221,17 +254,15 @@ def run_bench(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict
     them rather than one. Repeat 0 leaves its ledger and trace in `WORKDIR/<mode>/`, later
     repeats in `WORKDIR/<mode>/repeat<r>/`; every repeat must write the same ledger.
     """
-    modes = config.modes.split(",")
+    configs = rollout_configs(config)
+    modes = list(configs)
     plan = plan_devices(**config.runtime.to_dict())
     # The same initialisation for every mode; each trainer owns its copy (its steps donate it).
     model_config = models.ModelConfig(**config.model.to_dict())
     engines = _engines(config, models.create(model_config, seed=config.seed), plan)
     precompile_engines(engines)
     setups = {}
-    for mode in modes:
-        rollout_config = RolloutConfig.from_dict(
-            {**config.rollout.to_dict(), "mode": mode, "seed": config.seed}
-        )
+    for mode, rollout_config in configs.items():
         trainer = Trainer(
             models.create(model_config, seed=config.seed),
             train_config(rollout_config, config.train),
@@ -283,17 +314,18 @@ def _summary(runs: list[dict[str, float]], workdir: str) -> dict[str, Any]:
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     baseline = results.get("sync", {}).get("trained_tokens_per_s")
-    header = f"{'mode':<14}" + "".join(f"{k:>22}" for k in TABLE) + f"{'vs sync':>10}"
+    w = max(14, *(len(mode) + 2 for mode in results))
+    header = f"{'mode':<{w}}" + "".join(f"{k:>22}" for k in TABLE) + f"{'vs sync':>10}"
     lines = [header]
     for mode, r in results.items():
         ratio = r["trained_tokens_per_s"] / baseline if baseline else float("nan")
-        lines.append(f"{mode:<14}" + "".join(f"{r[k]:>22.3f}" for k in TABLE) + f"{ratio:>9.2f}x")
+        lines.append(f"{mode:<{w}}" + "".join(f"{r[k]:>22.3f}" for k in TABLE) + f"{ratio:>9.2f}x")
     labels = telemetry_lib.LAG_LABELS
     lines.append("instance steps (slot occupancy) by the hosted version's lag behind the newest:")
-    lines.append(f"{'mode':<14}" + "".join(f"{lag:>22}" for lag in labels))
+    lines.append(f"{'mode':<{w}}" + "".join(f"{lag:>22}" for lag in labels))
     for mode, r in results.items():
         cells = [
             f"{r[f'instance_steps/{lag}']:.0f} ({r[f'step_occupancy/{lag}']:.2f})" for lag in labels
         ]
-        lines.append(f"{mode:<14}" + "".join(f"{c:>22}" for c in cells))
+        lines.append(f"{mode:<{w}}" + "".join(f"{c:>22}" for c in cells))
     return "\n".join(lines)

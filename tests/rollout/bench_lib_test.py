@@ -1,6 +1,6 @@
 """`dora-jax bench` on a tiny config: the figures are there, the audits pass (partial fails C1
-only), every mode trained exactly the same samples (the "identical work" claim, checked), and
-every repeat of a mode wrote the same ledger."""
+only), every mode trained exactly the same samples (the "identical work" claim, checked), every
+repeat of a mode wrote the same ledger, and a `mode@variant` entry ran its own settings."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import os
 import pathlib
 
 import jax
+import ml_collections
+import pytest
 from tiny_models import DENSE
 
 from dora_jax.engine import Engine
@@ -20,7 +22,7 @@ from dora_jax.rollout import audit_lib, bench_lib, ledger_lib, telemetry_lib
 
 BENCH_CONFIG = pathlib.Path(__file__).parents[2] / "configs" / "bench_longtail.py"
 
-MODES = ("sync", "dora", "partial")
+MODES = ("sync", "dora", "partial", "dora@k1")
 
 
 def tiny_config():
@@ -48,7 +50,12 @@ def tiny_config():
     c.rollout.timer_steps = 2
     c.rollout.publish_delay_steps = 2
     c.train.length_buckets = (32,)
+    c.variants.k1 = ml_collections.ConfigDict({"staleness_bound": 1})
     return c
+
+
+def start_event(workdir: str) -> dict:
+    return next(e for e in ledger_lib.read(workdir) if e["event"] == "start")
 
 
 def trained(workdir: str) -> collections.Counter:
@@ -105,9 +112,32 @@ def test_bench_reports_every_mode_on_identical_work(tmp_path):
             for lag, n in by_lag.items()
         )
         assert busy >= decoded * (1 - 1e-9), mode
+    # The variant ran dora under its own bound, the plain entry under the config's.
+    assert start_event(str(tmp_path / "dora@k1"))["staleness_bound"] == 1
+    assert start_event(str(tmp_path / "dora"))["staleness_bound"] == config.rollout.staleness_bound
+    assert config.rollout.staleness_bound > 1
+    stale = [e["staleness"] for e in ledger_lib.read(str(tmp_path / "dora@k1")) if "staleness" in e]
+    assert stale and max(stale) <= 1
     # Only the newest version decodes in sync, and partial reloads it everywhere at each update.
     for mode in ("sync", "partial"):
         assert saved[mode]["instance_steps/lag0"] == saved[mode]["instance_steps"], mode
+
+
+@pytest.mark.parametrize(
+    "modes, variant, message",
+    [
+        ("sync,dora@none", {}, "'dora@none' names no entry of config.variants"),
+        ("dora@big", {"train_batch_size": 16}, "variants.big.train_batch_size: a variant cannot"),
+        ("dora@big", {"staleness_bound": -1}, "'dora@big': rollout.staleness_bound=-1"),
+        ("dora@big", {"rollout_batchsize": 32}, r"'dora@big': rollout: unknown fields"),
+    ],
+)
+def test_a_bad_variant_fails_before_anything_runs_naming_it(modes, variant, message):
+    config = tiny_config()
+    config.modes = modes
+    config.variants.big = ml_collections.ConfigDict(variant)
+    with pytest.raises(ValueError, match=message):
+        bench_lib.rollout_configs(config)
 
 
 def test_precompile_covers_every_admission_shape_for_any_slot_count():
