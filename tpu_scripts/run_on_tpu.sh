@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# Copies this repo to every host of a TPU VM slice, installs it with the TPU build of JAX and
-# runs `dora-jax train` on all hosts at once (jax.distributed needs every host to join).
+# Copies this repo to a single-host TPU VM, installs it with the TPU build of JAX and runs
+# `dora-jax train` there. One controller drives every chip; a multi-host slice needs Pathways
+# (see README.md), so this refuses one rather than start independent jobs on each host.
 # Usage: run_on_tpu.sh NAME ZONE CONFIG [--config.x=y ...]
 set -euo pipefail
 name=${1:?TPU name}; zone=${2:?zone}; config=${3:?config file}; shift 3
 repo=$(cd "$(dirname "$0")/.." && pwd)
-gcloud compute tpus tpu-vm scp --recurse --worker=all --zone="$zone" "$repo" "$name":~/dora_jax
-gcloud compute tpus tpu-vm ssh "$name" --worker=all --zone="$zone" --command="
+hosts=$(gcloud compute tpus tpu-vm describe "$name" --zone="$zone" \
+  --format='value(networkEndpoints.len())')
+if [[ "$hosts" != "1" ]]; then
+  echo "run_on_tpu.sh: $name has $hosts hosts; multi-host slices need Pathways (tpu_scripts/README.md)" >&2
+  exit 1
+fi
+gcloud compute tpus tpu-vm scp --recurse --worker=0 --zone="$zone" "$repo" "$name":~/dora_jax
+gcloud compute tpus tpu-vm ssh "$name" --worker=0 --zone="$zone" --command="
   set -e; cd ~/dora_jax
   python3 -m venv .venv && .venv/bin/pip install -q -U pip
   .venv/bin/pip install -q -e . 'jax[tpu]'
