@@ -37,6 +37,7 @@ from dora_jax.rewards import RewardRunner, get_reward
 from dora_jax.rollout.config_lib import RolloutConfig, train_config
 from dora_jax.rollout.request_lib import PromptSpec
 from dora_jax.rollout.runner_lib import Rollout
+from dora_jax.runtime import hosts_lib
 from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
 from dora_jax.train import sft_lib
 from dora_jax.train.checkpoint_lib import Checkpointer
@@ -59,6 +60,7 @@ class Settings:
     rollout: RolloutConfig
     train: TrainConfig
     plan: DevicePlan
+    generation_hosts: bool  # each rollout instance's engine in a process of its own
 
 
 def validate(config: ml_collections.ConfigDict) -> Settings:
@@ -75,8 +77,12 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "seed": config.seed})
     train = train_config(rollout, config.train)
     get_reward(config.reward.name)  # an unknown reward name fails here, not mid-run
-    plan = plan_devices(**config.runtime.to_dict())
-    return Settings(rollout=rollout, train=train, plan=plan)
+    runtime = config.runtime.to_dict()
+    generation_hosts = runtime.pop("generation_hosts", False)
+    if not isinstance(generation_hosts, bool):
+        raise ValueError(f"runtime.generation_hosts={generation_hosts!r}: must be True or False")
+    plan = plan_devices(**runtime)
+    return Settings(rollout=rollout, train=train, plan=plan, generation_hosts=generation_hosts)
 
 
 # -- data and reward ----------------------------------------------------------------------------
@@ -237,24 +243,41 @@ def evaluate(
 # -- the run ------------------------------------------------------------------------------------
 
 
-def make_engines(
-    config: ml_collections.ConfigDict, model: models.Transformer, plan: DevicePlan, eos_id: int
-) -> list[Engine]:
+def _engine_settings(config: ml_collections.ConfigDict, eos_id: int) -> dict[str, Any]:
     sampling = SamplingParams(
         temperature=config.engine.temperature, top_k=config.engine.top_k, top_p=config.engine.top_p
     )
-    return [
-        Engine(
-            model,
-            max_concurrent_decodes=config.engine.slots,
-            max_prefill_length=config.data.max_prompt_len,
-            max_decode_length=config.engine.max_decode_length,
-            mesh=mesh,
-            sampling=sampling,
-            eos_ids=(eos_id,),
-        )
-        for mesh in plan.generation_meshes
-    ]
+    return {
+        "max_concurrent_decodes": config.engine.slots,
+        "max_prefill_length": config.data.max_prompt_len,
+        "max_decode_length": config.engine.max_decode_length,
+        "sampling": sampling,
+        "eos_ids": (eos_id,),
+    }
+
+
+def make_engines(
+    config: ml_collections.ConfigDict, model: models.Transformer, plan: DevicePlan, eos_id: int
+) -> list[Engine]:
+    settings = _engine_settings(config, eos_id)
+    return [Engine(model, mesh=mesh, **settings) for mesh in plan.generation_meshes]
+
+
+def start_generation_hosts(
+    config: ml_collections.ConfigDict, model: models.Transformer, eos_id: int
+) -> list[hosts_lib.RemoteEngine]:
+    """One generation host per rollout instance, each a process with its own engine of the
+    model's shape (its weights come from the trainer, version by version)."""
+    dtype = _DTYPES[config.model.dtype]
+    spec = hosts_lib.EngineSpec(
+        model.config,
+        config.seed,
+        _engine_settings(config, eos_id),
+        devices=config.runtime.devices_per_instance,
+        tp=config.runtime.instance_tp,
+        model_kwargs={"param_dtype": dtype, "dtype": dtype},
+    )
+    return hosts_lib.start_local_hosts([spec] * config.runtime.num_instances)
 
 
 def train_and_evaluate(
@@ -332,9 +355,12 @@ def train_and_evaluate(
             meta=checkpoint_meta,
         )
 
+    hosts = []
+    if settings.generation_hosts:
+        hosts = start_generation_hosts(config, model, data.tokenizer.eos_id)
     rollout = Rollout(
         settings.rollout,
-        engines,
+        hosts or engines,
         trainer,
         prompts,
         RewardAdapter(runner, data.tokenizer, prompts),
@@ -344,7 +370,11 @@ def train_and_evaluate(
         on_checkpoint=on_checkpoint,
         resume=resume,
     )
-    rollout.run()
+    try:
+        rollout.run()
+    finally:
+        for host in hosts:
+            host.close()
     rl_seconds = time.perf_counter() - rl_start
     display.close()
     writer.close()

@@ -33,6 +33,7 @@ from dora_jax.rollout.telemetry_lib import TRAINER_TRACK, Telemetry
 from dora_jax.rollout.trajectory_lib import Trajectory
 from dora_jax.rollout.window_lib import VersionWindow
 from dora_jax.runtime import transfer_lib
+from dora_jax.runtime.hosts_lib import RemoteTarget
 
 
 class Rollout:
@@ -84,9 +85,7 @@ class Rollout:
         # Trainer copies of published versions that no instance holds yet (version 0: the
         # initial params, copied before the trainer's first step donates them).
         self.staged: dict[int, Any] = {
-            0: transfer_lib.put(
-                trainer.params, self.instances[0].engine.param_shardings, copy=True
-            ).tree
+            0: transfer_lib.put(trainer.params, _staging(self.instances[0]), copy=True).tree
         }
         self.tick = 0
         self.selected = 0  # batches handed to the trainer
@@ -372,7 +371,7 @@ class Rollout:
         )
         self._trainer_busy_s += (t1 - t0) / 1e6
         target = min(self.healthy(), key=lambda x: (len(x.active()), x.index))
-        published = self.trainer.publish(target.engine.param_shardings)
+        published = self.trainer.publish(_staging(target))
         self.staged[published.version] = published.params
         self.window.newest = published.version
         self._training = None
@@ -466,6 +465,14 @@ class Rollout:
         self.ledger.close()
         self.telemetry.close_all(self.trace.now_us())
         self.trace.save(os.path.join(self.workdir, "trace.json"))
+
+
+def _staging(x: RolloutInstance) -> Any:
+    """Where a new version waits for its instances: on `x`'s mesh, so that loading it there is
+    free, unless `x` is a generation host of its own, which could die with the only copy; then
+    where the trainer's params are (None), from where any host can load it."""
+    shardings = x.engine.param_shardings
+    return None if isinstance(shardings, RemoteTarget) else shardings
 
 
 def _kv_capacity(x: RolloutInstance) -> int:

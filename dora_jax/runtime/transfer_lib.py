@@ -5,8 +5,9 @@ generation mesh, and an instance that needs a version some other instance alread
 it from there instead (DESIGN.md, orchestrator step 3). Both are the same operation: place a
 pytree with another mesh's shardings, wait until it is there, and account for the seconds and
 bytes, which the rollout reports as weight-move time. In one controller (the Pathways shape)
-`jax.device_put` across meshes is that copy; the runtime owns it so that a multi-host transport
-replaces it here and nowhere else.
+`jax.device_put` across meshes is that copy. A generation host in a process of its own
+(`hosts_lib`) is reached through host arrays instead: its engine's shardings are a
+`RemoteTarget`, and the params it holds are a `HostHandle`, fetched when another mesh needs them.
 """
 
 from __future__ import annotations
@@ -37,7 +38,17 @@ def put(tree: Any, shardings: Any, *, copy: bool = False) -> Transfer:
     a published version must not alias them. Without it, leaves already placed as asked are
     reused, which makes loading a version the trainer published straight onto this mesh free.
     """
+    from dora_jax.runtime.hosts_lib import HostHandle, RemoteTarget  # they import this module
+
     start = time.perf_counter()
-    placed = jax.device_put(tree, shardings, may_alias=False if copy else None)
-    jax.block_until_ready(placed)
+    remote = isinstance(shardings, RemoteTarget)
+    if isinstance(tree, HostHandle):
+        if remote and tree.engine is shardings.engine and not copy:
+            return Transfer(tree, time.perf_counter() - start, tree.nbytes)
+        tree = tree.fetch()
+    if remote:
+        placed = shardings.engine.place(jax.device_get(tree))
+    else:
+        placed = jax.device_put(tree, shardings, may_alias=False if copy else None)
+        jax.block_until_ready(placed)
     return Transfer(placed, time.perf_counter() - start, tree_nbytes(placed))

@@ -1,6 +1,7 @@
 """The application: config validation names the field, and a real tiny run end to end on the
 files-and-checkpoint path (JSONL with malformed rows, an HF checkpoint directory with its
-tokenizer, a user reward that sometimes raises)."""
+tokenizer, a user reward that sometimes raises), its engines in generation hosts of their own
+(the in-process engines run in the resume tests and `make train`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from configs import default
 from dora_jax import app_lib, models
 from dora_jax.data import LongTailTask
 from dora_jax.rollout import audit_lib
+from dora_jax.runtime import hosts_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -68,7 +70,7 @@ def test_cli_reports_a_bad_field_and_exits_non_zero():
 
 
 @pytest.mark.slow
-def test_files_and_checkpoint_path_end_to_end(tmp_path):
+def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
     task = LongTailTask()
     checkpoint = tmp_path / "policy"
     tokenizer = task.tokenizer()
@@ -100,8 +102,15 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path):
     config.engine.slots = 4
     config.eval.update(num_prompts=8, samples_per_prompt=1)
     config.checkpoint.every = 2
+    config.runtime.generation_hosts = True
+    started = []
+    start = hosts_lib.start_local_hosts
+    monkeypatch.setattr(
+        hosts_lib, "start_local_hosts", lambda specs: started.extend(specs) or start(specs)
+    )
     workdir = tmp_path / "run"
     summary = app_lib.train_and_evaluate(config, str(workdir), progress=False)
+    assert len(started) == config.runtime.num_instances
 
     assert summary["iterations"] == 4
     skipped = summary["skipped_rows"]  # each bad row counted every epoch the run reaches it

@@ -1,0 +1,363 @@
+"""Generation hosts: a rollout instance's engine in a process of its own.
+
+DESIGN.md's second runtime shape: processes take roles and exchange weights and trajectories
+through host-side queues. Here the controller (orchestrator + trainer) keeps every decision and
+each generation host runs one `Engine` on its own devices; `RemoteEngine` is that engine as the
+controller sees it, with the engine's interface, so the rollout instance, the orchestrator and
+every paradigm run unchanged whether an engine is local or not. Commands go out in order over
+one connection and are answered in order: `admit` and `generate` return at once, like JAX's
+asynchronous dispatch, and their tokens are read when the instance collects, so every host
+decodes while the controller moves on. The decode state, the params and exported slots stay on
+the host; the controller holds handles. Weights arrive as host arrays through
+`runtime.transfer_lib` (the trainer's copy, or fetched from the host that holds a version), and
+a migrated slot travels host to controller to host, so it still resumes without re-prefill.
+
+`start_local_hosts` starts hosts as child processes of this machine (the CPU test shape);
+the same `serve` loop accepts a `multiprocessing.connection` from another machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import multiprocessing
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """Everything a host needs to build its engine: the model's shape and initialisation, the
+    engine's settings (`Engine` keyword arguments) and how many of its devices it uses."""
+
+    model_config: Any  # models.ModelConfig
+    seed: int
+    engine_kwargs: dict[str, Any]
+    devices: int = 1
+    tp: int = 1
+    model_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. dtypes
+
+
+class HostError(RuntimeError):
+    """An engine call failed on its host; the message carries the host's traceback."""
+
+
+# -- the host side -----------------------------------------------------------------------------
+
+
+def serve(connection: Any, spec: EngineSpec) -> None:
+    """Runs one engine for the controller at the other end of `connection` until it closes.
+
+    Every command is answered, an error by its traceback, and a failed command leaves the
+    host serving: the controller decides what a failure means (the rollout takes the instance
+    out and requeues its requests).
+    """
+    import jax
+
+    from dora_jax import models
+    from dora_jax.engine import Engine
+    from dora_jax.models import sharding_lib
+
+    try:
+        devices = jax.devices()[: spec.devices]
+        mesh = sharding_lib.make_mesh(devices, spec.devices // spec.tp, spec.tp)
+        model = models.create(spec.model_config, seed=spec.seed, **spec.model_kwargs)
+        engine = Engine(model, mesh=mesh, **spec.engine_kwargs)
+    except Exception:  # noqa: BLE001 - the controller is waiting for the engine's settings
+        connection.send(HostError(traceback.format_exc()))
+        return
+    held: dict[int, Any] = {}  # handle -> params, decode state or exported slot on this host
+    connection.send(
+        {
+            name: getattr(engine, name)
+            for name in (
+                "max_concurrent_decodes",
+                "max_prefill_length",
+                "max_decode_length",
+                "cache_length",
+                "prefill_buckets",
+            )
+        }
+    )
+    while True:
+        try:
+            command, args = connection.recv()
+        except EOFError:
+            return
+        if command == "drop":  # the controller let go of a handle; nothing to answer
+            held.pop(args[0], None)
+            for key in [k for k in held if isinstance(k, tuple) and k[1] == args[0]]:
+                del held[key]  # its PolicyParams wrappers
+            continue
+        try:
+            reply = _HANDLERS[command](engine, held, *args)
+        except Exception:  # noqa: BLE001 - every failure goes back to the controller
+            reply = HostError(traceback.format_exc())
+        connection.send(reply)
+
+
+def _policy(engine, held, params, version):
+    """The engine's `PolicyParams` of held params as `version` (the controller names the
+    version with every call, so the tokens' version tags are the controller's), kept once made:
+    wrapping flattens the params."""
+    from dora_jax.engine.slots_lib import PolicyParams
+
+    key = ("policy", params, version)
+    if key not in held:
+        held[key] = PolicyParams(held[params], version)
+    return held[key]
+
+
+def _load(engine, held, handle, host_tree):
+    held[handle] = engine.shard_params(host_tree, 0).state
+    return None
+
+
+def _load_model(engine, held, handle):
+    held[handle] = engine.load_params().state
+    return None
+
+
+def _fetch(engine, held, handle):
+    import jax
+
+    return jax.device_get(held[handle])
+
+
+def _init(engine, held, handle):
+    held[handle] = engine.init_decode_state()
+    return None
+
+
+def _admit(engine, held, params, version, state, new_state, requests, slots):
+    policy = _policy(engine, held, params, version)
+    held[new_state], result = engine.admit(policy, held.pop(state), requests, slots)
+    return result.convert_to_numpy()
+
+
+def _generate(engine, held, params, version, state, new_state):
+    policy = _policy(engine, held, params, version)
+    held[new_state], result = engine.generate(policy, held.pop(state))
+    return result.convert_to_numpy()
+
+
+def _free(engine, held, state, new_state, slot):
+    held[new_state] = engine.free_slot(held.pop(state), slot)
+    return None
+
+
+def _export(engine, held, state, handle, slot):
+    from dora_jax.runtime import transfer_lib
+
+    held[handle] = engine.export_slot(held[state], slot)
+    return transfer_lib.tree_nbytes(held[handle])
+
+
+def _import(engine, held, state, new_state, slot, exported, exported_key):
+    exported = held[exported_key] if exported_key is not None else exported
+    held[new_state] = engine.import_slot(held.pop(state), slot, exported)
+    return None
+
+
+_HANDLERS = {
+    "load": _load,
+    "load_model": _load_model,
+    "fetch": _fetch,
+    "init": _init,
+    "admit": _admit,
+    "generate": _generate,
+    "free": _free,
+    "export": _export,
+    "import": _import,
+}
+
+
+# -- the controller side -----------------------------------------------------------------------
+
+
+class HostHandle:
+    """Something that lives on a host: params, a decode state or an exported slot. It is a
+    pytree leaf, so `PolicyParams` and `tree_nbytes` take it as it is. An owned handle frees its
+    value on the host once the controller drops it; a decode state is consumed by the call that
+    replaces it instead."""
+
+    def __init__(self, engine: RemoteEngine, key: int, nbytes: int = 0, owned: bool = True):
+        self.engine = engine
+        self.key = key
+        self.nbytes = nbytes
+        self.owned = owned
+
+    def fetch(self) -> Any:
+        """The value as host arrays."""
+        return self.engine.call("fetch", self.key)
+
+    def __del__(self) -> None:
+        if self.owned:
+            self.engine.release(self.key)
+
+
+class RemoteTarget:
+    """Where `transfer_lib.put` places a version for a remote engine: on its host."""
+
+    def __init__(self, engine: RemoteEngine):
+        self.engine = engine
+
+
+class PendingResult:
+    """An `admit` or `generate` result not read yet; `convert_to_numpy` waits for it."""
+
+    def __init__(self, engine: RemoteEngine, ticket: int):
+        self.engine = engine
+        self.ticket = ticket
+
+    def copy_to_host_async(self) -> None:
+        """Already on its way: the host answers every command."""
+
+    def convert_to_numpy(self) -> Any:
+        return self.engine.wait(self.ticket)
+
+
+class RemoteEngine:
+    """The engine of a generation host, with the `Engine` interface the rollout uses."""
+
+    def __init__(self, connection: Any, process: Any = None, name: str = "host"):
+        self.connection = connection
+        self.process = process
+        self.name = name
+        self._keys = itertools.count()
+        self._sent = 0  # commands sent that the host answers; answer i is command i's
+        self._read = 0  # answers read
+        self._early: dict[int, Any] = {}  # answers read while waiting for a later one
+        self._released: list[int] = []
+        settings = connection.recv()
+        if isinstance(settings, HostError):
+            raise settings
+        self.max_concurrent_decodes = settings["max_concurrent_decodes"]
+        self.max_prefill_length = settings["max_prefill_length"]
+        self.max_decode_length = settings["max_decode_length"]
+        self.cache_length = settings["cache_length"]
+        self.prefill_buckets = settings["prefill_buckets"]
+        self.param_shardings = RemoteTarget(self)
+
+    # -- transport --
+
+    def send(self, command: str, *args: Any) -> int:
+        """Sends a command; returns the ticket its answer will carry."""
+        while self._released:  # handles the controller dropped: free them on the host
+            self.connection.send(("drop", (self._released.pop(),)))
+        self.connection.send((command, args))
+        self._sent += 1
+        return self._sent - 1
+
+    def wait(self, ticket: int) -> Any:
+        """The answer to `ticket`, reading (and keeping) the earlier ones first."""
+        while ticket not in self._early:
+            self._early[self._read] = self.connection.recv()
+            self._read += 1
+        answer = self._early.pop(ticket)
+        if isinstance(answer, HostError):
+            raise answer
+        return answer
+
+    def call(self, command: str, *args: Any) -> Any:
+        return self.wait(self.send(command, *args))
+
+    def release(self, key: int) -> None:
+        self._released.append(key)
+
+    def _handle(self, nbytes: int = 0, owned: bool = True) -> HostHandle:
+        return HostHandle(self, next(self._keys), nbytes, owned)
+
+    # -- params --
+
+    def place(self, host_tree: Any) -> HostHandle:
+        """Puts params (host arrays) on the host's devices."""
+        import jax
+
+        handle = self._handle(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(host_tree)))
+        self.call("load", handle.key, host_tree)
+        return handle
+
+    def load_params(self, version: int = 0) -> Any:
+        from dora_jax.engine.slots_lib import PolicyParams
+
+        handle = self._handle()
+        self.call("load_model", handle.key)
+        return PolicyParams(handle, version)
+
+    def shard_params(self, state: Any, version: int) -> Any:
+        from dora_jax.engine.slots_lib import PolicyParams
+        from dora_jax.runtime import transfer_lib
+
+        return PolicyParams(transfer_lib.put(state, self.param_shardings).tree, version)
+
+    # -- decoding --
+
+    def init_decode_state(self) -> HostHandle:
+        state = self._handle(owned=False)
+        self.call("init", state.key)
+        return state
+
+    def bucket_for(self, length: int) -> int:
+        for bucket in self.prefill_buckets:
+            if length <= bucket:
+                return bucket
+        raise ValueError(f"prompt length {length} exceeds max_prefill_length")
+
+    def admit(
+        self, params: Any, state: HostHandle, requests: Sequence[Any], slots: Sequence[int]
+    ) -> tuple[HostHandle, PendingResult]:
+        new = self._handle(owned=False)
+        ticket = self.send(
+            "admit", params.state.key, params.version, state.key, new.key, list(requests),
+            list(slots),
+        )  # fmt: skip
+        return new, PendingResult(self, ticket)
+
+    def generate(self, params: Any, state: HostHandle) -> tuple[HostHandle, PendingResult]:
+        new = self._handle(owned=False)
+        ticket = self.send("generate", params.state.key, params.version, state.key, new.key)
+        return new, PendingResult(self, ticket)
+
+    def free_slot(self, state: HostHandle, slot: int) -> HostHandle:
+        new = self._handle(owned=False)
+        self.call("free", state.key, new.key, slot)
+        return new
+
+    def export_slot(self, state: HostHandle, slot: int) -> HostHandle:
+        exported = self._handle()
+        exported.nbytes = self.call("export", state.key, exported.key, slot)
+        return exported
+
+    def import_slot(self, state: HostHandle, slot: int, exported: Any) -> HostHandle:
+        key = None
+        if isinstance(exported, HostHandle):
+            if exported.engine is self:
+                exported, key = None, exported.key
+            else:  # a slot of another host travels through the controller
+                exported = exported.fetch()
+        new = self._handle(owned=False)
+        self.call("import", state.key, new.key, slot, exported, key)
+        return new
+
+    def close(self) -> None:
+        """Ends the host (it returns when its connection closes)."""
+        self._released.clear()
+        self.connection.close()
+        if self.process is not None:
+            self.process.join(timeout=60)
+
+
+def start_local_hosts(specs: Sequence[EngineSpec]) -> list[RemoteEngine]:
+    """Starts one generation host per spec as a child process of this machine (a fresh
+    interpreter each: a forked JAX runtime is not safe) and connects to each."""
+    context = multiprocessing.get_context("spawn")
+    engines = []
+    for i, spec in enumerate(specs):
+        ours, theirs = context.Pipe()
+        process = context.Process(target=serve, args=(theirs, spec), daemon=True, name=f"host{i}")
+        process.start()
+        theirs.close()
+        engines.append(RemoteEngine(ours, process, name=f"host{i}"))
+    return engines
