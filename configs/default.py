@@ -33,10 +33,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.runtime.num_instances = 4
     c.runtime.devices_per_instance = 1
     c.runtime.instance_tp = 1
-    # Each rollout instance's engine in a process of its own (a generation host, on this
-    # machine's devices), the controller reaching it through host-side queues: the multi-process
-    # shape of DESIGN.md. The same ledger as in-process engines, at the cost of the transfers.
-    c.runtime.generation_hosts = False
+    # Where each rollout instance's engine runs: "" in this process; "local" in a child process
+    # of its own (a generation host on this machine's devices); "HOST:PORT,..." one running
+    # `dora-jax host` per instance (with DORA_JAX_HOST_KEY set on both sides). The controller
+    # reaches hosts through host-side queues: the multi-process shape of DESIGN.md, with the
+    # same ledger as in-process engines, at the cost of the transfers.
+    c.runtime.generation_hosts = ""
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "longtail"  # "longtail" (built-in task) or "files"

@@ -60,7 +60,9 @@ class Settings:
     rollout: RolloutConfig
     train: TrainConfig
     plan: DevicePlan
-    generation_hosts: bool  # each rollout instance's engine in a process of its own
+    # Where the rollout instances' engines run: () in this process, ("local",) * N in child
+    # processes, or one HOST:PORT per instance of running `dora-jax host`s.
+    generation_hosts: tuple[str, ...]
 
 
 def validate(config: ml_collections.ConfigDict) -> Settings:
@@ -78,11 +80,26 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
     train = train_config(rollout, config.train)
     get_reward(config.reward.name)  # an unknown reward name fails here, not mid-run
     runtime = config.runtime.to_dict()
-    generation_hosts = runtime.pop("generation_hosts", False)
-    if not isinstance(generation_hosts, bool):
-        raise ValueError(f"runtime.generation_hosts={generation_hosts!r}: must be True or False")
+    hosts = _generation_hosts(runtime.pop("generation_hosts", ""), runtime["num_instances"])
     plan = plan_devices(**runtime)
-    return Settings(rollout=rollout, train=train, plan=plan, generation_hosts=generation_hosts)
+    return Settings(rollout=rollout, train=train, plan=plan, generation_hosts=hosts)
+
+
+def _generation_hosts(value: Any, num_instances: int) -> tuple[str, ...]:
+    field = "runtime.generation_hosts"
+    if not isinstance(value, str):
+        raise ValueError(f"{field}={value!r}: expected '', 'local' or HOST:PORT,...")
+    if value in ("", "local"):
+        return (value,) * num_instances if value else ()
+    addresses = tuple(a.strip() for a in value.split(","))
+    for address in addresses:
+        hosts_lib.parse_address(address, field)
+    if len(addresses) != num_instances:
+        raise ValueError(
+            f"{field}: {len(addresses)} addresses for runtime.num_instances={num_instances}"
+        )
+    hosts_lib.host_key()  # a missing key fails here, not at the first connection
+    return addresses
 
 
 # -- data and reward ----------------------------------------------------------------------------
@@ -264,10 +281,14 @@ def make_engines(
 
 
 def start_generation_hosts(
-    config: ml_collections.ConfigDict, model: models.Transformer, eos_id: int
+    config: ml_collections.ConfigDict,
+    hosts: Sequence[str],
+    model: models.Transformer,
+    eos_id: int,
 ) -> list[hosts_lib.RemoteEngine]:
-    """One generation host per rollout instance, each a process with its own engine of the
-    model's shape (its weights come from the trainer, version by version)."""
+    """One generation host per rollout instance (`Settings.generation_hosts`), each a process
+    with its own engine of the model's shape (weights come from the trainer, version by
+    version)."""
     dtype = _DTYPES[config.model.dtype]
     spec = hosts_lib.EngineSpec(
         model.config,
@@ -277,7 +298,9 @@ def start_generation_hosts(
         tp=config.runtime.instance_tp,
         model_kwargs={"param_dtype": dtype, "dtype": dtype},
     )
-    return hosts_lib.start_local_hosts([spec] * config.runtime.num_instances)
+    if hosts[0] == "local":
+        return hosts_lib.start_local_hosts([spec] * len(hosts))
+    return hosts_lib.connect_hosts(hosts, [spec] * len(hosts))
 
 
 def train_and_evaluate(
@@ -357,7 +380,9 @@ def train_and_evaluate(
 
     hosts = []
     if settings.generation_hosts:
-        hosts = start_generation_hosts(config, model, data.tokenizer.eos_id)
+        hosts = start_generation_hosts(
+            config, settings.generation_hosts, model, data.tokenizer.eos_id
+        )
     rollout = Rollout(
         settings.rollout,
         hosts or engines,

@@ -1,8 +1,10 @@
-"""`dora-jax COMMAND [flags]`: train | eval | audit | bench.
+"""`dora-jax COMMAND [flags]`: train | eval | audit | bench | host.
 
 Commands follow the flax-examples convention: an ml_collections config file with
 `get_config()` (`--config=configs/default.py`) and `--config.field=value` overrides, parsed by
-absl. `audit` takes only a workdir: it re-checks C1-C3 from the ledger alone.
+absl. `audit` takes only a workdir: it re-checks C1-C3 from the ledger alone. `host` runs a
+generation host for a controller elsewhere (`runtime.generation_hosts`); the controller sends it
+everything it needs.
 """
 
 from __future__ import annotations
@@ -67,7 +69,24 @@ def _bench(argv: list[str]) -> None:
     bench_lib.run_bench(config, _WORKDIR.value)
 
 
-COMMANDS = {"train": _train, "eval": _eval, "audit": _audit, "bench": _bench}
+_ADDRESS = flags.DEFINE_string("address", "0.0.0.0:7100", "`host`: HOST:PORT to listen on.")
+_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 1, "`host`: virtual CPU devices.")
+
+
+def _host(argv: list[str]) -> None:
+    del argv
+    cpu_flags_lib.use_cpu_devices(_CPU_DEVICES.value)
+    from dora_jax.runtime import hosts_lib
+
+    try:
+        hosts_lib.host_key()
+        hosts_lib.parse_address(_ADDRESS.value, "--address")
+    except ValueError as e:
+        sys.exit(str(e))
+    hosts_lib.listen(_ADDRESS.value)
+
+
+COMMANDS = {"train": _train, "eval": _eval, "audit": _audit, "bench": _bench, "host": _host}
 
 
 def run() -> None:

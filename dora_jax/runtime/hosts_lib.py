@@ -12,8 +12,12 @@ the host; the controller holds handles. Weights arrive as host arrays through
 `runtime.transfer_lib` (the trainer's copy, or fetched from the host that holds a version), and
 a migrated slot travels host to controller to host, so it still resumes without re-prefill.
 
-`start_local_hosts` starts hosts as child processes of this machine (the CPU test shape);
-the same `serve` loop accepts a `multiprocessing.connection` from another machine.
+`start_local_hosts` starts hosts as child processes of this machine; `dora-jax host
+--address=HOST:PORT` runs one on another machine (`listen`), which `connect_hosts` reaches over
+TCP. The controller sends each host its `EngineSpec` first, so a host needs no config of its own.
+The connection carries pickles, so a network host only talks to a controller that knows the
+shared key in `DORA_JAX_HOST_KEY` (HMAC challenge on connect), and should listen on a private
+network only.
 """
 
 from __future__ import annotations
@@ -46,8 +50,12 @@ class HostError(RuntimeError):
 # -- the host side -----------------------------------------------------------------------------
 
 
-def serve(connection: Any, spec: EngineSpec) -> None:
-    """Runs one engine for the controller at the other end of `connection` until it closes.
+KEY_VARIABLE = "DORA_JAX_HOST_KEY"
+
+
+def serve(connection: Any) -> None:
+    """Runs one engine, built from the `EngineSpec` the controller sends first, for the
+    controller at the other end of `connection` until the connection closes.
 
     Every command is answered, an error by its traceback, and a failed command leaves the
     host serving: the controller decides what a failure means (the rollout takes the instance
@@ -60,6 +68,7 @@ def serve(connection: Any, spec: EngineSpec) -> None:
     from dora_jax.models import sharding_lib
 
     try:
+        spec = connection.recv()
         devices = jax.devices()[: spec.devices]
         mesh = sharding_lib.make_mesh(devices, spec.devices // spec.tp, spec.tp)
         model = models.create(spec.model_config, seed=spec.seed, **spec.model_kwargs)
@@ -356,8 +365,59 @@ def start_local_hosts(specs: Sequence[EngineSpec]) -> list[RemoteEngine]:
     engines = []
     for i, spec in enumerate(specs):
         ours, theirs = context.Pipe()
-        process = context.Process(target=serve, args=(theirs, spec), daemon=True, name=f"host{i}")
+        process = context.Process(target=serve, args=(theirs,), daemon=True, name=f"host{i}")
         process.start()
         theirs.close()
+        ours.send(spec)
         engines.append(RemoteEngine(ours, process, name=f"host{i}"))
     return engines
+
+
+def parse_address(address: str, field: str = "address") -> tuple[str, int]:
+    """`HOST:PORT` as (host, port); a malformed one is an error naming `field`."""
+    host, _, port = address.strip().rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{field}: {address!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def host_key() -> bytes:
+    """The shared key of controller and network hosts, from `DORA_JAX_HOST_KEY`."""
+    import os
+
+    key = os.environ.get(KEY_VARIABLE, "")
+    if not key:
+        raise ValueError(
+            f"network generation hosts need a shared key: set {KEY_VARIABLE} to the same secret "
+            "on the controller and on every host"
+        )
+    return key.encode()
+
+
+def connect_hosts(addresses: Sequence[str], specs: Sequence[EngineSpec]) -> list[RemoteEngine]:
+    """Connects to running hosts (`dora-jax host`), one per spec, and gives each its engine."""
+    from multiprocessing.connection import Client
+
+    key = host_key()
+    engines = []
+    for address, spec in zip(addresses, specs, strict=True):
+        connection = Client(parse_address(address), authkey=key)
+        connection.send(spec)
+        engines.append(RemoteEngine(connection, name=address))
+    return engines
+
+
+def listen(address: str) -> None:
+    """`dora-jax host`: serves controllers at `address`, one after another, until killed."""
+    from multiprocessing.connection import Listener
+
+    with Listener(parse_address(address, "--address"), authkey=host_key()) as listener:
+        print(f"generation host listening on {address}", flush=True)
+        while True:
+            try:
+                connection = listener.accept()
+            except (OSError, EOFError, multiprocessing.AuthenticationError) as e:
+                print(f"refused a connection: {e!r}", flush=True)
+                continue
+            with connection:
+                serve(connection)

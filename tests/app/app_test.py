@@ -34,6 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("model", "dtype", "float8", "model.dtype"),
         ("data", "source", "s3", "data.source"),
         ("engine", "slots", 0, "engine.slots"),
+        ("runtime", "generation_hosts", "gpu7", "runtime.generation_hosts"),
+        ("runtime", "generation_hosts", "a:7100,b:7100", "runtime.generation_hosts"),
     ],
 )
 def test_bad_config_fails_at_start_naming_the_field(section, field, value, named):
@@ -102,7 +104,7 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
     config.engine.slots = 4
     config.eval.update(num_prompts=8, samples_per_prompt=1)
     config.checkpoint.every = 2
-    config.runtime.generation_hosts = True
+    config.runtime.generation_hosts = "local"
     started = []
     start = hosts_lib.start_local_hosts
     monkeypatch.setattr(

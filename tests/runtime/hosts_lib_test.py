@@ -1,8 +1,14 @@
-"""Generation hosts in processes of their own: a dora run whose engines live in child processes
-writes the same ledger as the same run with the engines in this process, and a host that dies
-mid-run loses nothing."""
+"""Generation hosts in processes of their own: a dora run whose engines live in other processes
+(a child process, and a `dora-jax host` reached over TCP) writes the same ledger as the same run
+with the engines in this process, and a host that dies mid-run loses nothing."""
 
 from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -60,15 +66,38 @@ def _ledger(workdir) -> list[dict]:
     return list(ledger_lib.read(str(workdir)))
 
 
+KEY = "a test secret"
+
+
+@pytest.fixture
+def network_host(monkeypatch):
+    """A `dora-jax host` in a process of its own, listening on a free loopback port."""
+    monkeypatch.setenv(hosts_lib.KEY_VARIABLE, KEY)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dora_jax.cli", "host", f"--address=127.0.0.1:{port}"],
+        stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
+    )  # fmt: skip
+    try:
+        assert "listening" in process.stdout.readline()
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.kill()
+        process.wait()
+
+
 @pytest.mark.slow
-def test_remote_engines_write_the_same_ledger_as_local_ones(tmp_path):
+def test_remote_engines_write_the_same_ledger_as_local_ones(tmp_path, network_host):
     model = models.create(MODEL, seed=0)
     local = [
         Engine(model, mesh=sharding_lib.make_mesh(jax.devices()[i : i + 1], 1, 1), **ENGINE)
         for i in (1, 2)
     ]
     here = _run(local, str(tmp_path / "local"))
-    remote = hosts_lib.start_local_hosts([hosts_lib.EngineSpec(MODEL, 0, ENGINE)] * 2)
+    spec = hosts_lib.EngineSpec(MODEL, 0, ENGINE)
+    remote = hosts_lib.start_local_hosts([spec]) + hosts_lib.connect_hosts([network_host], [spec])
     try:
         there = _run(remote, str(tmp_path / "remote"))
     finally:
@@ -102,3 +131,20 @@ def test_a_host_that_dies_mid_run_loses_nothing(tmp_path):
     assert report.passed, report.format()
     trained = [e for e in _ledger(tmp_path) if e["event"] == "train"]
     assert len(trained) == CONFIG.num_iterations * CONFIG.train_batch_size
+
+
+def test_a_network_host_refuses_a_controller_without_the_key(network_host, monkeypatch):
+    monkeypatch.setenv(hosts_lib.KEY_VARIABLE, "not the secret")
+    spec = hosts_lib.EngineSpec(MODEL, 0, ENGINE)
+    with pytest.raises(multiprocessing.AuthenticationError):
+        hosts_lib.connect_hosts([network_host], [spec])
+    monkeypatch.setenv(hosts_lib.KEY_VARIABLE, KEY)  # the host keeps serving others
+    (engine,) = hosts_lib.connect_hosts([network_host], [spec])
+    assert engine.max_concurrent_decodes == ENGINE["max_concurrent_decodes"]
+    engine.close()
+
+
+def test_without_a_key_network_hosts_are_refused_at_start(monkeypatch):
+    monkeypatch.delenv(hosts_lib.KEY_VARIABLE, raising=False)
+    with pytest.raises(ValueError, match=hosts_lib.KEY_VARIABLE):
+        hosts_lib.connect_hosts(["127.0.0.1:7100"], [hosts_lib.EngineSpec(MODEL, 0, ENGINE)])
