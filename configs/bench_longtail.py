@@ -52,6 +52,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.runtime.train_tp = 1
     c.runtime.num_instances = 3
     c.runtime.devices_per_instance = 1
+    # "local": each instance's engine in a child process of its own (`runtime.hosts_lib`).
+    c.runtime.generation_hosts = ""
 
     c.workload = ml_collections.ConfigDict()
     c.workload.prompt_length = 8

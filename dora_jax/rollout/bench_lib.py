@@ -28,6 +28,7 @@ from dora_jax.rollout import audit_lib, ledger_lib, request_lib, telemetry_lib
 from dora_jax.rollout.config_lib import RolloutConfig, train_config
 from dora_jax.rollout.runner_lib import Rollout
 from dora_jax.rollout.trajectory_lib import Trajectory
+from dora_jax.runtime import hosts_lib
 from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
 from dora_jax.train import Trainer
 
@@ -143,17 +144,19 @@ def _engines(
     exactly one prompt plus the longest response, whatever was re-prefilled, so a decode step
     costs the same in every mode."""
     w = config.workload
-    return [
-        Engine(
-            model,
-            max_concurrent_decodes=config.engine.slots,
-            max_prefill_length=w.prompt_length + w.max_length,
-            max_decode_length=w.max_length,
-            cache_length=w.prompt_length + w.max_length,
-            mesh=mesh,
+    settings = {
+        "max_concurrent_decodes": config.engine.slots,
+        "max_prefill_length": w.prompt_length + w.max_length,
+        "max_decode_length": w.max_length,
+        "cache_length": w.prompt_length + w.max_length,
+    }
+    if config.runtime.generation_hosts == "local":  # each engine in a child process
+        r = config.runtime
+        spec = hosts_lib.EngineSpec(
+            model.config, config.seed, settings, r.devices_per_instance, r.get("instance_tp", 1)
         )
-        for mesh in plan.generation_meshes
-    ]
+        return hosts_lib.start_local_hosts([spec] * r.num_instances)
+    return [Engine(model, mesh=mesh, **settings) for mesh in plan.generation_meshes]
 
 
 def run_mode(
@@ -167,8 +170,8 @@ def run_mode(
     same prompts and forced lengths in every mode, all of them trained); returns the figures of
     `REPORTED` plus the audit verdict. Throughput is its trained tokens (prompt + response) over
     its wall time, start to last publish. `cpu_seconds` is the process's user + system time
-    over the run (every thread: controller, trainer, XLA's device threads). The trainer must
-    hold the initial state."""
+    over the run (every thread: controller, trainer, XLA's device threads; generation hosts'
+    processes are not counted). The trainer must hold the initial state."""
     prompts = workload(config, config.seed, rollout_config.num_iterations)
     cpu_start = time.process_time()
     start = time.perf_counter()
@@ -256,7 +259,10 @@ def run_bench(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict
     """
     configs = rollout_configs(config)
     modes = list(configs)
-    plan = plan_devices(**config.runtime.to_dict())
+    runtime = config.runtime.to_dict()
+    if runtime.pop("generation_hosts") not in ("", "local"):
+        raise ValueError("runtime.generation_hosts: the bench runs '' or 'local' hosts only")
+    plan = plan_devices(**runtime)
     # The same initialisation for every mode; each trainer owns its copy (its steps donate it).
     model_config = models.ModelConfig(**config.model.to_dict())
     engines = _engines(config, models.create(model_config, seed=config.seed), plan)

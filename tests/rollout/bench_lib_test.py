@@ -155,3 +155,16 @@ def test_precompile_covers_every_admission_shape_for_any_slot_count():
             jax.block_until_ready(state)
     assert engine.prefill_buckets == (8, 16)
     assert engine._admit_jit._cache_size() == compiled  # nothing new compiled mid-run
+
+
+@pytest.mark.slow
+def test_on_generation_hosts_the_bench_writes_the_same_ledger(tmp_path):
+    config = tiny_config()
+    config.update(modes="dora", repeats=1, warmup_iterations=0)
+    bench_lib.run_bench(config, str(tmp_path / "here"))
+    config.runtime.generation_hosts = "local"
+    results = bench_lib.run_bench(config, str(tmp_path / "hosts"))
+    assert results["dora"]["audit_passed"]
+    assert ledger_lib.read(str(tmp_path / "hosts" / "dora")) == ledger_lib.read(
+        str(tmp_path / "here" / "dora")
+    )
