@@ -76,7 +76,9 @@ def serve(connection: Any) -> None:
     except Exception:  # noqa: BLE001 - the controller is waiting for the engine's settings
         connection.send(HostError(traceback.format_exc()))
         return
-    held: dict[int, Any] = {}  # handle -> params, decode state or exported slot on this host
+    # handle key -> params state, decode state or exported slot on this host; plus the params'
+    # PolicyParams wrappers under ("policy", params key, version)
+    held: dict[Any, Any] = {}
     connection.send(
         {
             name: getattr(engine, name)
