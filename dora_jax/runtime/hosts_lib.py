@@ -43,6 +43,12 @@ class EngineSpec:
     model_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. dtypes
 
 
+# How long the controller waits for any one answer. Generous: a host's first admission and
+# decode step compile (minutes for a large model on an accelerator); past it the host counts as
+# hung and its instance fails, rather than the whole run waiting forever on one machine.
+ANSWER_TIMEOUT_S = 1800.0
+
+
 class HostError(RuntimeError):
     """An engine call failed on its host; the message carries the host's traceback."""
 
@@ -232,16 +238,23 @@ class PendingResult:
 class RemoteEngine:
     """The engine of a generation host, with the `Engine` interface the rollout uses."""
 
-    def __init__(self, connection: Any, process: Any = None, name: str = "host"):
+    def __init__(
+        self,
+        connection: Any,
+        process: Any = None,
+        name: str = "host",
+        timeout_s: float = ANSWER_TIMEOUT_S,
+    ):
         self.connection = connection
         self.process = process
         self.name = name
+        self.timeout_s = timeout_s
         self._keys = itertools.count()
         self._sent = 0  # commands sent that the host answers; answer i is command i's
         self._read = 0  # answers read
         self._early: dict[int, Any] = {}  # answers read while waiting for a later one
         self._released: list[int] = []
-        settings = connection.recv()
+        settings = self._receive()
         if isinstance(settings, HostError):
             raise settings
         self.max_concurrent_decodes = settings["max_concurrent_decodes"]
@@ -255,21 +268,35 @@ class RemoteEngine:
 
     def send(self, command: str, *args: Any) -> int:
         """Sends a command; returns the ticket its answer will carry."""
-        while self._released:  # handles the controller dropped: free them on the host
-            self.connection.send(("drop", (self._released.pop(),)))
-        self.connection.send((command, args))
+        try:
+            while self._released:  # handles the controller dropped: free them on the host
+                self.connection.send(("drop", (self._released.pop(),)))
+            self.connection.send((command, args))
+        except OSError as e:
+            raise HostError(f"{self.name}: the connection ended ({e!r})") from e
         self._sent += 1
         return self._sent - 1
 
     def wait(self, ticket: int) -> Any:
         """The answer to `ticket`, reading (and keeping) the earlier ones first."""
         while ticket not in self._early:
-            self._early[self._read] = self.connection.recv()
+            self._early[self._read] = self._receive()
             self._read += 1
         answer = self._early.pop(ticket)
         if isinstance(answer, HostError):
             raise answer
         return answer
+
+    def _receive(self) -> Any:
+        """The host's next answer; a host that went away or stays silent past `timeout_s` is a
+        `HostError`, which the rollout treats like any engine failure (instance out, its
+        requests requeued)."""
+        if not self.connection.poll(self.timeout_s):
+            raise HostError(f"{self.name}: no answer in {self.timeout_s:g} s")
+        try:
+            return self.connection.recv()
+        except (EOFError, OSError) as e:
+            raise HostError(f"{self.name}: the connection ended ({e!r})") from e
 
     def call(self, command: str, *args: Any) -> Any:
         return self.wait(self.send(command, *args))

@@ -148,3 +148,15 @@ def test_without_a_key_network_hosts_are_refused_at_start(monkeypatch):
     monkeypatch.delenv(hosts_lib.KEY_VARIABLE, raising=False)
     with pytest.raises(ValueError, match=hosts_lib.KEY_VARIABLE):
         hosts_lib.connect_hosts(["127.0.0.1:7100"], [hosts_lib.EngineSpec(MODEL, 0, ENGINE)])
+
+
+def test_a_silent_or_vanished_host_is_an_error_not_a_hang():
+    ours, theirs = multiprocessing.Pipe()
+    theirs.send(dict(max_concurrent_decodes=1, max_prefill_length=8, max_decode_length=8,
+                     cache_length=16, prefill_buckets=(8,)))  # fmt: skip
+    engine = hosts_lib.RemoteEngine(ours, name="quiet", timeout_s=0.2)
+    with pytest.raises(hosts_lib.HostError, match="quiet: no answer in 0.2 s"):
+        engine.init_decode_state()  # nobody serves the other end
+    theirs.close()
+    with pytest.raises(hosts_lib.HostError, match="quiet: the connection ended"):
+        engine.init_decode_state()
