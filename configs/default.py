@@ -35,7 +35,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.runtime.instance_tp = 1
     # Where each rollout instance's engine runs: "" in this process; "local" in a child process
     # of its own (a generation host on this machine's devices); "HOST:PORT,..." one running
-    # `dora-jax host` per instance (with DORA_JAX_HOST_KEY set on both sides). The controller
+    # `dora-jax host` per instance (with DORA_JAX_HOST_KEY set on both sides; they bring their
+    # own devices, so only the training mesh is planned here). The controller
     # reaches hosts through host-side queues: the multi-process shape of DESIGN.md, with the
     # same ledger as in-process engines, at the cost of the transfers.
     c.runtime.generation_hosts = ""

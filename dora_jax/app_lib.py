@@ -81,7 +81,7 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
     get_reward(config.reward.name)  # an unknown reward name fails here, not mid-run
     runtime = config.runtime.to_dict()
     hosts = _generation_hosts(runtime.pop("generation_hosts", ""), runtime["num_instances"])
-    plan = plan_devices(**runtime)
+    plan = plan_devices(**runtime, remote_instances=bool(hosts) and hosts[0] != "local")
     return Settings(rollout=rollout, train=train, plan=plan, generation_hosts=hosts)
 
 
@@ -276,8 +276,12 @@ def _engine_settings(config: ml_collections.ConfigDict, eos_id: int) -> dict[str
 def make_engines(
     config: ml_collections.ConfigDict, model: models.Transformer, plan: DevicePlan, eos_id: int
 ) -> list[Engine]:
+    """One engine per generation mesh; the rollout's unless it runs on generation hosts, and
+    the first is the held-out evaluation's. With hosts on other machines the plan has no
+    generation mesh: evaluation, which runs before and after training, uses the training mesh."""
     settings = _engine_settings(config, eos_id)
-    return [Engine(model, mesh=mesh, **settings) for mesh in plan.generation_meshes]
+    meshes = plan.generation_meshes or (plan.train_mesh,)
+    return [Engine(model, mesh=mesh, **settings) for mesh in meshes]
 
 
 def start_generation_hosts(

@@ -41,8 +41,12 @@ def plan_devices(
     train_tp: int = 1,
     instance_tp: int = 1,
     field_prefix: str = "runtime",
+    remote_instances: bool = False,
 ) -> DevicePlan:
     """Carves `devices` (default: all of them) into disjoint meshes, training mesh first.
+
+    With `remote_instances` the instances' engines run on other machines (`hosts_lib`), which
+    bring their own devices: the plan is the training mesh alone.
 
     Each mesh has the model's ("fsdp", "tp") axes. Errors name the config field to change,
     because a wrong count is the most common mistake when moving a config between machines.
@@ -66,7 +70,8 @@ def plan_devices(
             f"{field_prefix}.instance_tp={instance_tp} must divide "
             f"{field_prefix}.devices_per_instance={devices_per_instance}"
         )
-    needed = train_devices + num_instances * devices_per_instance
+    local_instances = 0 if remote_instances else num_instances
+    needed = train_devices + local_instances * devices_per_instance
     if needed > len(devices):
         raise ValueError(
             f"{field_prefix}.num_instances={num_instances} x "
@@ -78,7 +83,7 @@ def plan_devices(
         devices[:train_devices], fsdp=train_devices // train_tp, tp=train_tp
     )
     meshes = []
-    for i in range(num_instances):
+    for i in range(local_instances):
         start = train_devices + i * devices_per_instance
         chunk = devices[start : start + devices_per_instance]
         meshes.append(

@@ -45,6 +45,23 @@ def test_bad_config_fails_at_start_naming_the_field(section, field, value, named
         app_lib.validate(config)
 
 
+def test_hosts_on_other_machines_take_no_devices_here(monkeypatch):
+    monkeypatch.setenv(hosts_lib.KEY_VARIABLE, "secret")
+    config = default.get_config()
+    config.runtime.update(train_devices=8, train_tp=2, num_instances=4)  # 8 devices here
+    with pytest.raises(ValueError, match=r"runtime\.num_instances=4"):
+        app_lib.validate(config)  # local engines would need 12
+    config.runtime.generation_hosts = "g0:7100,g1:7100,g2:7100,g3:7100"
+    settings = app_lib.validate(config)
+    assert settings.generation_hosts == ("g0:7100", "g1:7100", "g2:7100", "g3:7100")
+    assert settings.plan.generation_meshes == () and settings.plan.train_mesh.devices.size == 8
+    model = models.create(models.ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
+                                             num_layers=1, num_heads=2, num_kv_heads=1,
+                                             head_dim=8))  # fmt: skip
+    (evaluation,) = app_lib.make_engines(config, model, settings.plan, eos_id=1)
+    assert evaluation.mesh is settings.plan.train_mesh
+
+
 def test_real_recipe_is_a_valid_config():
     from configs import qwen3_gsm8k
 
