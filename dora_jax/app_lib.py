@@ -89,6 +89,12 @@ def _generation_hosts(value: Any, num_instances: int) -> tuple[str, ...]:
     field = "runtime.generation_hosts"
     if not isinstance(value, str):
         raise ValueError(f"{field}={value!r}: expected '', 'local' or HOST:PORT,...")
+    if value == "local" and jax.devices()[0].platform != "cpu":
+        raise ValueError(
+            f"{field}='local' starts engines in child processes of this machine, which only "
+            "CPU devices allow (this process holds the accelerators); use '' or one "
+            "`dora-jax host` per machine (HOST:PORT,...)"
+        )
     if value in ("", "local"):
         return (value,) * num_instances if value else ()
     addresses = tuple(a.strip() for a in value.split(","))

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -60,6 +61,14 @@ def test_hosts_on_other_machines_take_no_devices_here(monkeypatch):
                                              head_dim=8))  # fmt: skip
     (evaluation,) = app_lib.make_engines(config, model, settings.plan, eos_id=1)
     assert evaluation.mesh is settings.plan.train_mesh
+
+
+def test_local_hosts_are_refused_on_an_accelerator(monkeypatch):
+    config = default.get_config()
+    config.runtime.generation_hosts = "local"
+    monkeypatch.setattr(app_lib.jax, "devices", lambda: [types.SimpleNamespace(platform="gpu")])
+    with pytest.raises(ValueError, match=r"runtime\.generation_hosts='local' .* only CPU"):
+        app_lib.validate(config)
 
 
 def test_real_recipe_is_a_valid_config():
