@@ -34,7 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.runtime.devices_per_instance = 1
     c.runtime.instance_tp = 1
     # Where each rollout instance's engine runs: "" in this process; "local" in a child process
-    # of its own (a generation host on this machine's devices); "HOST:PORT,..." one running
+    # of its own (a generation host on this machine's CPU devices); "HOST:PORT,..." one running
     # `dora-jax host` per instance (with DORA_JAX_HOST_KEY set on both sides; they bring their
     # own devices, so only the training mesh is planned here). The controller
     # reaches hosts through host-side queues: the multi-process shape of DESIGN.md, with the
