@@ -110,6 +110,14 @@ def default_buckets(max_prefill_length: int, smallest: int = 8) -> tuple[int, ..
     return (*buckets, max_prefill_length)
 
 
+def bucket_for(buckets: Sequence[int], length: int) -> int:
+    """The smallest prefill bucket that holds `length` tokens."""
+    for b in buckets:
+        if length <= b:
+            return b
+    raise ValueError(f"prompt length {length} exceeds max_prefill_length")
+
+
 # --------------------------------------------------------------------------------------------
 # The engine
 # --------------------------------------------------------------------------------------------
@@ -409,10 +417,7 @@ class Engine:
         return _HostRows(ints, floats)
 
     def bucket_for(self, length: int) -> int:
-        for b in self.prefill_buckets:
-            if length <= b:
-                return b
-        raise ValueError(f"prompt length {length} exceeds max_prefill_length")
+        return bucket_for(self.prefill_buckets, length)
 
     # ---- insert / generate ---------------------------------------------------------------
 

@@ -338,10 +338,9 @@ class RemoteEngine:
         return state
 
     def bucket_for(self, length: int) -> int:
-        for bucket in self.prefill_buckets:
-            if length <= bucket:
-                return bucket
-        raise ValueError(f"prompt length {length} exceeds max_prefill_length")
+        from dora_jax.engine import engine_lib
+
+        return engine_lib.bucket_for(self.prefill_buckets, length)
 
     def admit(
         self, params: Any, state: HostHandle, requests: Sequence[Any], slots: Sequence[int]

@@ -12,6 +12,7 @@ import sys
 
 import jax
 import pytest
+from tiny_models import DENSE, VOCAB
 
 from dora_jax import models
 from dora_jax.engine import Engine
@@ -21,17 +22,7 @@ from dora_jax.rollout.config_lib import RolloutConfig
 from dora_jax.runtime import hosts_lib
 from dora_jax.train import TrainConfig, Trainer
 
-MODEL = models.ModelConfig(
-    architecture="Qwen3ForCausalLM",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-    qk_norm=True,
-)
+MODEL = DENSE
 ENGINE = {"max_concurrent_decodes": 4, "max_prefill_length": 16, "max_decode_length": 32}
 CONFIG = RolloutConfig(
     mode="dora",
@@ -52,7 +43,7 @@ def _run(engines, workdir, on_iteration=None) -> runner_lib.Rollout:
         sharding_lib.make_mesh(jax.devices()[:1], 1, 1),
     )
     prompts = request_lib.heavy_tail_prompts(
-        seed=0, group_size=4, vocab_size=64, median_length=6, max_length=32
+        seed=0, group_size=4, vocab_size=VOCAB, median_length=6, max_length=32
     )
     rollout = runner_lib.Rollout(
         CONFIG, engines, trainer, prompts, lambda pid, toks: float((toks == 3).mean()), workdir
