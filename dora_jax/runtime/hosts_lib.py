@@ -127,7 +127,9 @@ def _policy(engine, held, params, version):
 
 
 def _load(engine, held, handle, host_tree):
-    held[handle] = engine.shard_params(host_tree, 0).state
+    from dora_jax.runtime import transfer_lib
+
+    held[handle] = transfer_lib.put(host_tree, engine.param_shardings).tree
     return None
 
 
@@ -311,9 +313,9 @@ class RemoteEngine:
 
     def place(self, host_tree: Any) -> HostHandle:
         """Puts params (host arrays) on the host's devices."""
-        import jax
+        from dora_jax.runtime import transfer_lib
 
-        handle = self._handle(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(host_tree)))
+        handle = self._handle(transfer_lib.tree_nbytes(host_tree))
         self.call("load", handle.key, host_tree)
         return handle
 
@@ -323,12 +325,6 @@ class RemoteEngine:
         handle = self._handle()
         self.call("load_model", handle.key)
         return PolicyParams(handle, version)
-
-    def shard_params(self, state: Any, version: int) -> Any:
-        from dora_jax.engine.slots_lib import PolicyParams
-        from dora_jax.runtime import transfer_lib
-
-        return PolicyParams(transfer_lib.put(state, self.param_shardings).tree, version)
 
     # -- decoding --
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import jax
 
+from dora_jax.runtime.hosts_lib import HostHandle, RemoteTarget
+
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
@@ -38,8 +40,6 @@ def put(tree: Any, shardings: Any, *, copy: bool = False) -> Transfer:
     a published version must not alias them. Without it, leaves already placed as asked are
     reused, which makes loading a version the trainer published straight onto this mesh free.
     """
-    from dora_jax.runtime.hosts_lib import HostHandle, RemoteTarget  # they import this module
-
     start = time.perf_counter()
     remote = isinstance(shardings, RemoteTarget)
     if isinstance(tree, HostHandle):
