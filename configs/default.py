@@ -40,6 +40,13 @@ def get_config() -> ml_collections.ConfigDict:
     # reaches hosts through host-side queues: the multi-process shape of DESIGN.md, with the
     # same ledger as in-process engines, at the cost of the transfers.
     c.runtime.generation_hosts = ""
+    # Where the training mesh runs: "" in this process; "local:N" across this process and N child
+    # processes (CPU), one JAX process group (jax.distributed, gloo); "HOST:PORT,..." with one
+    # running `dora-jax host` per address. The mesh is then every device of the group
+    # (runtime.train_devices counts them all) and the rollout runs on generation hosts.
+    c.runtime.training_hosts = ""
+    # This machine's HOST:PORT for the group's coordination service (network training hosts).
+    c.runtime.coordinator = ""
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "longtail"  # "longtail" (built-in task) or "files"

@@ -32,17 +32,18 @@ from dora_jax.data import (
     prompt_dataset,
 )
 from dora_jax.engine import Engine, Request, SamplingParams, generate_all
+from dora_jax.models import sharding_lib
 from dora_jax.observe import metrics_lib, plots_lib, progress_lib
 from dora_jax.rewards import RewardRunner, get_reward
 from dora_jax.rollout.config_lib import RolloutConfig, train_config
 from dora_jax.rollout.request_lib import PromptSpec
 from dora_jax.rollout.runner_lib import Rollout
-from dora_jax.runtime import hosts_lib
+from dora_jax.runtime import hosts_lib, training_hosts_lib
 from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
 from dora_jax.train import sft_lib
 from dora_jax.train.checkpoint_lib import Checkpointer
 from dora_jax.train.config_lib import TrainConfig
-from dora_jax.train.trainer_lib import Trainer
+from dora_jax.train.trainer_lib import MirroredTrainer, Trainer
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _MODEL_SHAPE_FIELDS = {
@@ -81,8 +82,64 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
     get_reward(config.reward.name)  # an unknown reward name fails here, not mid-run
     runtime = config.runtime.to_dict()
     hosts = _generation_hosts(runtime.pop("generation_hosts", ""), runtime["num_instances"])
-    plan = plan_devices(**runtime, remote_instances=bool(hosts) and hosts[0] != "local")
+    runtime.pop("coordinator", "")
+    group = runtime.pop("training_hosts", "")
+    if group:
+        _check_training_group(group, hosts, runtime["train_devices"])
+    plan = plan_devices(
+        **runtime, remote_instances=bool(group) or (bool(hosts) and hosts[0] != "local")
+    )
     return Settings(rollout=rollout, train=train, plan=plan, generation_hosts=hosts)
+
+
+def _check_training_group(value: str, generation_hosts: Sequence[str], train_devices: int) -> None:
+    """A run with training hosts has joined their group (`start_training_hosts`) by now."""
+    field = "runtime.training_hosts"
+    if jax.process_count() == 1:
+        raise ValueError(
+            f"{field}={value!r}: only `dora-jax train` starts training hosts; set it to '' "
+            "(and runtime.train_devices to this machine's devices) for this command"
+        )
+    if value.startswith("local:") and jax.devices()[0].platform != "cpu":
+        raise ValueError(
+            f"{field}={value!r} starts training hosts in child processes of this machine, which "
+            "only CPU devices allow; run one `dora-jax host` per machine (HOST:PORT,...)"
+        )
+    if not generation_hosts:
+        raise ValueError(
+            f"{field}={value!r} needs runtime.generation_hosts: the training mesh takes every "
+            "device of the training group, so the rollout instances run on generation hosts"
+        )
+    if train_devices != jax.device_count():
+        raise ValueError(
+            f"runtime.train_devices={train_devices}: with {field}={value!r} the training mesh "
+            f"is every device of the group, {jax.device_count()} here"
+        )
+
+
+def start_training_hosts(config: ml_collections.ConfigDict) -> training_hosts_lib.Group | None:
+    """Joins the training group of `runtime.training_hosts`, if any: first thing in a run, since
+    a process must join before JAX computes anything."""
+    field = "runtime.training_hosts"
+    value = config.runtime.get("training_hosts", "")
+    if not isinstance(value, str):
+        raise ValueError(f"{field}={value!r}: expected '', 'local:N' or HOST:PORT,...")
+    if not value:
+        return None
+    if value.startswith("local:"):
+        count = value.removeprefix("local:")
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"{field}={value!r}: 'local:N' needs a count N >= 1")
+        return training_hosts_lib.start_local(int(count))
+    addresses = [a.strip() for a in value.split(",")]
+    for address in addresses:
+        hosts_lib.parse_address(address, field)
+    if not config.runtime.coordinator:
+        raise ValueError(
+            f"runtime.coordinator: network training hosts ({field}={value!r}) need this "
+            "machine's HOST:PORT for the group's coordination service"
+        )
+    return training_hosts_lib.connect(addresses, config.runtime.coordinator)
 
 
 def _generation_hosts(value: Any, num_instances: int) -> tuple[str, ...]:
@@ -203,8 +260,10 @@ def warm_up(
     data: TaskData,
     mesh: jax.sharding.Mesh,
     progress: bool,
+    group: training_hosts_lib.Group | None = None,
 ) -> models.Transformer:
-    """Supervised warm-up on demonstrations (skipped when there are none or sft.steps == 0)."""
+    """Supervised warm-up on demonstrations (skipped when there are none or sft.steps == 0),
+    on every process of the training `group` when there is one."""
     steps = config.sft.steps
     if not data.demonstrations or steps == 0:
         return model
@@ -214,17 +273,50 @@ def warm_up(
         for prompt, response in data.demonstrations
     ]
     length = max(len(p) + len(r) for p, r in examples)
-    trainer = sft_lib.SupervisedTrainer(model, mesh, config.sft.learning_rate, steps)
+    lr = config.sft.learning_rate
+    if group is None:
+        trainer = sft_lib.SupervisedTrainer(model, mesh, lr, steps)
+        step, finish = trainer.step, trainer.model
+    else:
+        graphdef, state = nnx.split(model)
+        tp = mesh.shape["tp"]
+        mirrored = group.make(_group_sft, graphdef, jax.device_get(state), tp, lr, steps)
+
+        def step(tokens: np.ndarray, mask: np.ndarray) -> float:
+            return mirrored.call("step", tokens, mask)
+
+        def finish() -> models.Transformer:
+            return nnx.merge(graphdef, mirrored.get("params"))
+
     rng = np.random.default_rng(config.seed)
     display = progress_lib.ProgressDisplay(steps, "sft", live=progress)
-    for step in range(1, steps + 1):
+    for n in range(1, steps + 1):
         picks = rng.choice(len(examples), config.sft.batch_size, replace=False)
         tokens, mask = sft_lib.pack_examples([examples[i] for i in picks], length, tok.pad_id)
-        loss = trainer.step(tokens, mask)
-        if step % 50 == 0 or step == steps:
-            display.update(step, {"train/loss": loss})
+        loss = step(tokens, mask)
+        if n % 50 == 0 or n == steps:
+            display.update(n, {"train/loss": loss})
     display.close()
-    return trainer.model()
+    return finish()
+
+
+# A training group's objects are built on every process from host arrays (the factories are
+# pickled to the hosts by name); their mesh is every device of the group.
+
+
+def _group_mesh(tp: int) -> jax.sharding.Mesh:
+    devices = jax.devices()
+    return sharding_lib.make_mesh(devices, fsdp=len(devices) // tp, tp=tp)
+
+
+def _group_sft(
+    graphdef: Any, state: Any, tp: int, lr: float, steps: int
+) -> sft_lib.SupervisedTrainer:
+    return sft_lib.SupervisedTrainer(nnx.merge(graphdef, state), _group_mesh(tp), lr, steps)
+
+
+def _group_trainer(graphdef: Any, state: Any, tp: int, config: TrainConfig) -> Trainer:
+    return Trainer(nnx.merge(graphdef, state), config, _group_mesh(tp))
 
 
 def heldout_records(config: ml_collections.ConfigDict, data: TaskData) -> list[dict[str, Any]]:
@@ -284,10 +376,21 @@ def make_engines(
 ) -> list[Engine]:
     """One engine per generation mesh; the rollout's unless it runs on generation hosts, and
     the first is the held-out evaluation's. With hosts on other machines the plan has no
-    generation mesh: evaluation, which runs before and after training, uses the training mesh."""
+    generation mesh: evaluation, which runs before and after training, uses the training mesh
+    (this process's part of it, with training hosts)."""
     settings = _engine_settings(config, eos_id)
-    meshes = plan.generation_meshes or (plan.train_mesh,)
+    meshes = plan.generation_meshes or (_this_process_part(plan.train_mesh),)
     return [Engine(model, mesh=mesh, **settings) for mesh in meshes]
+
+
+def _this_process_part(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """`mesh`, or where it spans a training group, the part of it on this process's devices,
+    which this process alone can compute on."""
+    ours = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if len(ours) == mesh.size:
+        return mesh
+    tp = mesh.shape["tp"] if len(ours) % mesh.shape["tp"] == 0 else 1
+    return sharding_lib.make_mesh(ours, fsdp=len(ours) // tp, tp=tp)
 
 
 def start_generation_hosts(
@@ -319,6 +422,21 @@ def train_and_evaluate(
     """Runs the whole application, resuming from the newest checkpoint in `workdir` if any;
     returns (and writes) `summary.json`."""
     start = time.perf_counter()
+    group = start_training_hosts(config)
+    try:
+        return _train_and_evaluate(config, workdir, progress, group, start)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _train_and_evaluate(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    progress: bool | None,
+    group: training_hosts_lib.Group | None,
+    start: float,
+) -> dict[str, Any]:
     settings = validate(config)
     os.makedirs(workdir, exist_ok=True)
     data = load_task(config)
@@ -327,9 +445,16 @@ def train_and_evaluate(
     latest = checkpointer.latest_step()
     model = load_policy(config, data.tokenizer.vocab_size)
     if latest is None:
-        model = warm_up(config, model, data, settings.plan.train_mesh, progress)
+        model = warm_up(config, model, data, settings.plan.train_mesh, progress, group)
     engines = make_engines(config, model, settings.plan, data.tokenizer.eos_id)
-    trainer = Trainer(model, settings.train, settings.plan.train_mesh)
+    if group is None:
+        trainer = Trainer(model, settings.train, settings.plan.train_mesh)
+    else:
+        graphdef, state = nnx.split(model)
+        tp = settings.plan.train_mesh.shape["tp"]
+        trainer = MirroredTrainer(
+            group.make(_group_trainer, graphdef, jax.device_get(state), tp, settings.train)
+        )
     iterator = iter(_prompt_dataset(config, data, data.train_rows))
     heldout = heldout_records(config, data)
 
@@ -415,9 +540,10 @@ def train_and_evaluate(
     writer.close()
     checkpointer.close()
 
-    final_params = engines[0].shard_params(trainer.params, trainer.version)
+    trained = trainer.params
+    final_params = engines[0].shard_params(trained, trainer.version)
     after = evaluate(engines[0], final_params, heldout, config, runner, data.tokenizer)
-    nnx.update(model, trainer.params)
+    nnx.update(model, trained)
     models.save_pretrained(model, os.path.join(workdir, "hf_policy"))
     records = metrics_lib.read_metrics(workdir)
     trained_tokens = sum(r.get("trained_tokens", 0.0) for r in records)

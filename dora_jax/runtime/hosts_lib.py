@@ -59,9 +59,9 @@ class HostError(RuntimeError):
 KEY_VARIABLE = "DORA_JAX_HOST_KEY"
 
 
-def serve(connection: Any) -> None:
-    """Runs one engine, built from the `EngineSpec` the controller sends first, for the
-    controller at the other end of `connection` until the connection closes.
+def serve(connection: Any, spec: EngineSpec) -> None:
+    """Runs one engine, built from `spec`, for the controller at the other end of `connection`
+    until the connection closes.
 
     Every command is answered, an error by its traceback, and a failed command leaves the
     host serving: the controller decides what a failure means (the rollout takes the instance
@@ -74,7 +74,6 @@ def serve(connection: Any) -> None:
     from dora_jax.models import sharding_lib
 
     try:
-        spec = connection.recv()
         devices = jax.devices()[: spec.devices]
         mesh = sharding_lib.make_mesh(devices, spec.devices // spec.tp, spec.tp)
         model = models.create(spec.model_config, seed=spec.seed, **spec.model_kwargs)
@@ -389,10 +388,9 @@ def start_local_hosts(specs: Sequence[EngineSpec]) -> list[RemoteEngine]:
     engines = []
     for i, spec in enumerate(specs):
         ours, theirs = context.Pipe()
-        process = context.Process(target=serve, args=(theirs,), daemon=True, name=f"host{i}")
+        process = context.Process(target=serve, args=(theirs, spec), daemon=True, name=f"host{i}")
         process.start()
         theirs.close()
-        ours.send(spec)
         engines.append(RemoteEngine(ours, process, name=f"host{i}"))
     return engines
 
@@ -432,16 +430,25 @@ def connect_hosts(addresses: Sequence[str], specs: Sequence[EngineSpec]) -> list
 
 
 def listen(address: str) -> None:
-    """`dora-jax host`: serves controllers at `address`, one after another, until killed."""
+    """`dora-jax host`: serves controllers at `address` until killed, in the role each one's
+    first message gives. As a generation host (an `EngineSpec`) it serves them one after
+    another; as a training host (`training_hosts_lib.TrainingSpec`) it joins that controller's
+    process group, which a process can do once, and returns when the run ends."""
     from multiprocessing.connection import Listener
 
+    from dora_jax.runtime import training_hosts_lib
+
     with Listener(parse_address(address, "--address"), authkey=host_key()) as listener:
-        print(f"generation host listening on {address}", flush=True)
+        print(f"host listening on {address}", flush=True)
         while True:
             try:
                 connection = listener.accept()
+                spec = connection.recv()
             except (OSError, EOFError, multiprocessing.AuthenticationError) as e:
                 print(f"refused a connection: {e!r}", flush=True)
                 continue
             with connection:
-                serve(connection)
+                if isinstance(spec, training_hosts_lib.TrainingSpec):
+                    training_hosts_lib.follow(connection, spec)
+                    return
+                serve(connection, spec)

@@ -6,6 +6,10 @@ and `meta` (JSON: seed, version counter, ledger byte offset, rollout state — w
 groups were dispatched, finished or queued, with the finished trajectories themselves).
 Saving all of them in one atomic orbax step is what makes "resume from the newest checkpoint"
 safe: a step directory either has every item or is not a checkpoint at all.
+
+In a training group (`runtime.training_hosts_lib`) the controller alone saves and restores: it
+holds the train state as host arrays gathered from every process, and the other processes
+never call orbax, so orbax must not wait for them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import grain
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 
 @dataclasses.dataclass
@@ -30,10 +35,20 @@ class Checkpointer:
     """Async orbax CheckpointManager over `directory`, keeping the newest `keep` steps."""
 
     def __init__(self, directory: str, keep: int = 2, async_save: bool = True):
+        directory = os.path.abspath(directory)  # orbax refuses relative paths (workdirs often are)
+        processes = ocp.options.MultiprocessingOptions()
+        if jax.process_count() > 1:
+            processes = ocp.options.MultiprocessingOptions(
+                primary_host=jax.process_index(), active_processes={jax.process_index()}
+            )
+            epath.Path(directory).mkdir(parents=True, exist_ok=True)  # orbax won't, then
         self._manager = ocp.CheckpointManager(
-            os.path.abspath(directory),  # orbax refuses relative paths (workdirs often are)
+            directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+                max_to_keep=keep,
+                enable_async_checkpointing=async_save,
+                create=jax.process_count() == 1,
+                multiprocessing_options=processes,
             ),
         )
 

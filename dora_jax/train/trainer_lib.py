@@ -10,6 +10,10 @@ the old params and optimizer state bit for bit (a `where` on every leaf) and is 
 `publish` ends an iteration: the version becomes v + 1 and a copy of the params is placed on
 the generation mesh's shardings (`runtime.transfer_lib`). The trainer's own buffers are never
 donated to the copy: the next step needs them.
+
+`MirroredTrainer` is the same interface over a training mesh that spans processes
+(`runtime.training_hosts_lib`): every call runs on every process, and params leave as host
+arrays.
 """
 
 from __future__ import annotations
@@ -393,3 +397,44 @@ def _apply(
 def _logprobs(fn: Functional, params: Any, tokens, positions, targets) -> jax.Array:
     logits = fn.forward(params, tokens, positions).logits
     return loss_lib.token_logprobs(logits, targets)[0]
+
+
+class MirroredTrainer:
+    """A `Trainer` built on every process of a training group (`training_hosts_lib.Group`),
+    with the `Trainer`'s interface for the controller: `params`, `state` and published versions
+    come back as host arrays gathered from every process, so the generation hosts and the
+    checkpoints never see an array that spans processes."""
+
+    def __init__(self, trainer: Any):  # a training_hosts_lib.Mirrored of a Trainer
+        self._trainer = trainer
+
+    @property
+    def version(self) -> int:
+        return self._trainer.local.version
+
+    @property
+    def params(self) -> Any:
+        return self._trainer.get("params")
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self._trainer.get("state")
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self._trainer.call("restore", jax.device_get(state))
+
+    def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        return self._trainer.call("step", list(trajectories))
+
+    def publish(self, target_shardings: Any | None = None) -> Published:
+        """As `Trainer.publish`; with `target_shardings` None the version stays on host."""
+        start = time.perf_counter()
+        published = self._trainer.call("publish")
+        params = published.params
+        if target_shardings is not None:
+            params = transfer_lib.put(params, target_shardings).tree
+        return Published(
+            params,
+            published.version,
+            {**published.metrics, "publish_seconds": time.perf_counter() - start},
+        )
