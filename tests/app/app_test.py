@@ -37,6 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("engine", "slots", 0, "engine.slots"),
         ("runtime", "generation_hosts", "gpu7", "runtime.generation_hosts"),
         ("runtime", "generation_hosts", "a:7100,b:7100", "runtime.generation_hosts"),
+        # Only `dora-jax train` joins a training group, before validating.
+        ("runtime", "training_hosts", "local:1", "runtime.training_hosts"),
     ],
 )
 def test_bad_config_fails_at_start_naming_the_field(section, field, value, named):
@@ -44,6 +46,18 @@ def test_bad_config_fails_at_start_naming_the_field(section, field, value, named
     config[section][field] = value
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):
         app_lib.validate(config)
+
+
+@pytest.mark.parametrize(
+    "value,named",
+    [("local:0", "runtime.training_hosts"), ("gpu7", "runtime.training_hosts"),
+     ("a:7100", "runtime.coordinator")],
+)  # fmt: skip
+def test_bad_training_hosts_fail_before_any_process_starts(value, named):
+    config = default.get_config()
+    config.runtime.training_hosts = value
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        app_lib.start_training_hosts(config)
 
 
 def test_hosts_on_other_machines_take_no_devices_here(monkeypatch):
