@@ -3,8 +3,8 @@
 Commands follow the flax-examples convention: an ml_collections config file with
 `get_config()` (`--config=configs/default.py`) and `--config.field=value` overrides, parsed by
 absl. `audit` takes only a workdir: it re-checks C1-C3 from the ledger alone. `host` runs a
-generation host for a controller elsewhere (`runtime.generation_hosts`); the controller sends it
-everything it needs.
+generation or training host for a controller elsewhere (`runtime.generation_hosts`,
+`runtime.training_hosts`); the controller picks the role and sends it everything it needs.
 """
 
 from __future__ import annotations
