@@ -1,4 +1,4 @@
-"""A user reward loaded by dotted path (`app_rewards:flaky_exact_match`) in the app tests."""
+"""User rewards loaded by dotted path (`app_rewards:NAME`) in the app tests."""
 
 
 def flaky_exact_match(completion: str, answer: str) -> float:
@@ -6,3 +6,10 @@ def flaky_exact_match(completion: str, answer: str) -> float:
     if answer.startswith("1"):
         raise RuntimeError("this reward function fails on purpose")
     return float(completion.strip() == answer.strip())
+
+
+def even_length(completion: str, answer: str) -> float:
+    """1 for a completion of even length: rewards that differ within a group from the first
+    step, so every RL update moves the policy without a warm-up."""
+    del answer
+    return float(len(completion) % 2 == 0)

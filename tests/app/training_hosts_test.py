@@ -22,20 +22,23 @@ import pytest
 
 from configs import default
 from dora_jax import app_lib
+from dora_jax.observe import metrics_lib
 from dora_jax.rollout import audit_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMALL = {
-    "sft.steps": 150,  # enough for non-zero rewards, so the RL updates move the policy
+    "sft.steps": 20,
+    "reward.name": "app_rewards:even_length",  # rewards that differ within groups from the start
     "rollout.num_iterations": 4,
     "rollout.train_batch_size": 16,
     "rollout.rollout_batch_size": 32,
     "rollout.group_size": 4,
     "engine.slots": 8,
-    "eval.num_prompts": 8,
-    "eval.samples_per_prompt": 2,
+    "eval.num_prompts": 4,
+    "eval.samples_per_prompt": 1,
     "checkpoint.every": 2,
     "runtime.generation_hosts": "local",
+    "runtime.num_instances": 2,
     "runtime.train_devices": 4,
     "runtime.train_tp": 2,
 }
@@ -47,6 +50,7 @@ def _group_run(workdir: pathlib.Path) -> str:
                "--config.runtime.training_hosts=local:1",
                *(f"--config.{k}={v}" for k, v in SMALL.items())]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # 2 devices per process
+    env["PYTHONPATH"] = str(ROOT / "tests" / "app")  # the reward's module
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
@@ -62,6 +66,8 @@ def test_training_group_writes_the_ledger_of_one_process_and_resumes(tmp_path):
     reference = tmp_path / "reference"
     summary = app_lib.train_and_evaluate(config, str(reference), progress=False)
     assert summary["rollout_totals"]["trained"] == 4 * 16
+    losses = [r["train/loss"] for r in metrics_lib.read_metrics(str(reference))]
+    assert all(loss != 0.0 for loss in losses), losses  # every update moved the policy
     expected = (reference / "ledger.jsonl").read_bytes()
 
     group = tmp_path / "group"
