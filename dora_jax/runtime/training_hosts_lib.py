@@ -12,8 +12,9 @@ host's `EngineSpec`.
 Whatever such a call returns leaves the mesh as host arrays, gathered from every process
 (`process_allgather`, itself a collective the hosts take part in): the rest of the controller,
 the generation hosts and the checkpoints then see plain numpy, never an array that spans
-processes. A failed call on a host ends that host, and the coordination service then stops the
-run; the newest checkpoint resumes it, as after any trainer crash.
+processes. A host that fails ends the run: the controller watches each host's connection and
+exits as soon as one closes (a computation waiting on that host would otherwise wait for JAX's
+heartbeat timeout, 100 s). The newest checkpoint resumes the run, as after any trainer crash.
 
 `start_local` starts hosts as child processes of this machine (CPU); `dora-jax host` runs one on
 another machine, which `connect` reaches over TCP with the shared key of `hosts_lib`.
@@ -21,6 +22,7 @@ another machine, which `connect` reaches over TCP with the shared key of `hosts_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import multiprocessing
@@ -85,6 +87,8 @@ def follow(connection: Any, spec: TrainingSpec) -> None:
             command, key, target, args = connection.recv()
         except EOFError:
             return
+        if command == "close":
+            return
         try:
             if command == "make":
                 objects[key] = target(*args)
@@ -132,6 +136,23 @@ class Group:
         self.processes = list(processes)
         self.lock = threading.RLock()  # a call goes out and runs here as one step
         self._keys = itertools.count()
+        self._closing = False
+        for i, connection in enumerate(self.connections, start=1):
+            threading.Thread(
+                target=self._watch, args=(i, connection), daemon=True, name=f"watch{i}"
+            ).start()
+
+    def _watch(self, process_id: int, connection: Any) -> None:
+        """Hosts send nothing: a receive returns only when the host's end closes."""
+        with contextlib.suppress(EOFError, OSError):
+            connection.recv()
+        if not self._closing:
+            print(
+                f"training host {process_id} ended, and the training mesh cannot go on "
+                "without it: stopping the run (it resumes from the newest checkpoint)",
+                flush=True,
+            )
+            os._exit(1)
 
     def send(self, command: str, key: int, target: Any, args: tuple[Any, ...]) -> None:
         for connection in self.connections:
@@ -146,18 +167,22 @@ class Group:
             return Mirrored(self, key, factory(*args))
 
     def close(self) -> None:
-        """Ends the group: the hosts return when their connection closes, and every process
-        leaves `jax.distributed` through one barrier. Here rather than at exit: a child host
-        takes SIGTERM as JAX's preemption notice, so `multiprocessing`'s exit handler, which
-        terminates and joins its children before JAX's own exit handler runs, would wait on it
-        until the barrier timed out."""
+        """Ends the group: the hosts return, and every process leaves `jax.distributed`
+        through one barrier. Here rather than at exit: a child host takes SIGTERM as JAX's
+        preemption notice, so `multiprocessing`'s exit handler, which terminates and joins its
+        children before JAX's own exit handler runs, would wait on it until the barrier timed
+        out."""
         import jax
 
-        for connection in self.connections:
-            connection.close()
+        self._closing = True
+        # A message, not closing the connection: a watch thread is blocked reading it, and the
+        # host would not see a close until that read returned.
+        self.send("close", -1, None, ())
         jax.distributed.shutdown()
         for process in self.processes:
             process.join(timeout=60)
+        for connection in self.connections:
+            connection.close()
 
 
 def free_port() -> int:

@@ -6,17 +6,18 @@ CLI process of 2 devices joined by a child training host of 2, the same mesh sha
 ledgers must match byte for byte: the SFT warm-up, every RL update and every published version
 went through the group, and the sampled tokens depend on all of them. (The group's all-reduce
 sums in another order than one process's, so params agree to ~1e-8, not bit for bit: the
-comparison holds because no sampled token sits that close to a tie in this run.) Then the group
-run resumes from its checkpoint and must end with the same ledger again.
+comparison holds because no sampled token sits that close to a tie in this run.) The group run
+loses its training host midway and resumes from its checkpoint: nothing may be lost.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
-import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -44,16 +45,31 @@ SMALL = {
 }
 
 
-def _group_run(workdir: pathlib.Path) -> str:
+def _group_run(workdir: pathlib.Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "dora_jax.cli", "train", "--config=configs/default.py",
                f"--workdir={workdir}", "--config.num_cpu_devices=2",
                "--config.runtime.training_hosts=local:1",
                *(f"--config.{k}={v}" for k, v in SMALL.items())]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # 2 devices per process
     env["PYTHONPATH"] = str(ROOT / "tests" / "app")  # the reward's module
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    log = open(workdir.parent / f"{workdir.name}.log", "a")  # noqa: SIM115
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _training_host(controller: int) -> int:
+    """The controller's first child started by `multiprocessing` spawn: the training host,
+    which it starts before anything else (the generation hosts come later)."""
+    children = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == controller and b"spawn_main" in cmdline:
+            children.append(int(stat.parent.name))
+    assert children, "no training host found"
+    return min(children)
 
 
 @pytest.mark.slow
@@ -70,17 +86,26 @@ def test_training_group_writes_the_ledger_of_one_process_and_resumes(tmp_path):
     assert all(loss != 0.0 for loss in losses), losses  # every update moved the policy
     expected = (reference / "ledger.jsonl").read_bytes()
 
+    # The training host dies once the checkpoint of version 2 is written: the controller must
+    # stop at once, naming the cause, rather than wait in a collective for the dead host.
     group = tmp_path / "group"
-    _group_run(group)
+    group.mkdir()
+    controller = _group_run(group)
+    deadline = time.time() + 900
+    while not (group / "checkpoints" / "2").exists() and time.time() < deadline:
+        assert controller.poll() is None, (tmp_path / "group.log").read_text()[-3000:]
+        time.sleep(0.1)
+    os.kill(_training_host(controller.pid), signal.SIGKILL)
+    killed_at = time.time()
+    assert controller.wait(timeout=60) == 1
+    assert time.time() - killed_at < 30  # JAX's own heartbeat timeout is 100 s
+    assert "training host 1 ended" in (tmp_path / "group.log").read_text()
+
+    # The resumed run restores the checkpoint (saved by the controller from host arrays) onto
+    # the mesh across both processes and ends with the one-process ledger.
+    assert _group_run(group).wait(timeout=900) == 0, (tmp_path / "group.log").read_text()[-3000:]
+    log = (tmp_path / "group.log").read_text()
+    assert "resumed from the checkpoint of version 2" in log
     assert (group / "ledger.jsonl").read_bytes() == expected
     assert audit_lib.audit(str(group)).passed
     assert (group / "hf_policy" / "model.safetensors").exists()
-
-    # Resume from the checkpoint of version 2 (the controller saved it from host arrays; the
-    # group restores it onto the mesh across both processes).
-    for step in (group / "checkpoints").iterdir():
-        if step.name.isdigit() and int(step.name) > 2:
-            shutil.rmtree(step)
-    log = _group_run(group)
-    assert "resumed from the checkpoint of version 2" in log
-    assert (group / "ledger.jsonl").read_bytes() == expected
