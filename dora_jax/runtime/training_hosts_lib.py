@@ -79,17 +79,14 @@ def to_host(tree: Any) -> Any:
 def follow(connection: Any, spec: TrainingSpec) -> None:
     """A training host: joins the group as `spec` says, then builds and calls what the
     controller at the other end of `connection` builds and calls, in its order, until the
-    connection closes."""
+    controller closes the group (or its end of the connection)."""
     initialize(spec)
     objects: dict[int, Any] = {}
     while True:
         try:
             command, key, target, args = connection.recv()
-        except EOFError:
-            return
-        if command == "close":
-            return
-        try:
+            if command == "close":
+                return
             if command == "make":
                 objects[key] = target(*args)
             elif command == "call":
@@ -98,7 +95,10 @@ def follow(connection: Any, spec: TrainingSpec) -> None:
                 to_host(getattr(objects[key], target))
             else:  # "drop"
                 objects.pop(key, None)
+        except EOFError:
+            return
         except Exception:  # noqa: BLE001 - the group cannot go on without this process
+            # (a factory this host cannot import included: it arrives pickled by name)
             print(f"training host {spec.process_id}:\n{traceback.format_exc()}", flush=True)
             os._exit(1)
 

@@ -1,7 +1,9 @@
-"""The script behind `training_hosts_lib_test`: a training group of this process and one child
+"""The script behind `training_hosts_lib_test`: a training group of this process and one
 training host, 2 virtual CPU devices each, trains through `MirroredTrainer` and saves what it
-published to `sys.argv[1]` (npz). A process joins a group before JAX computes anything, which
-the test process, with its 8 devices long in use, cannot; so this runs in a process of its own.
+published to `sys.argv[1]` (npz). The host is a child process, or with `sys.argv[2]` the
+`dora-jax host` listening at that address. A process joins a group before JAX computes
+anything, which the test process, with its 8 devices long in use, cannot; so this runs in a
+process of its own.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _flat(tree) -> np.ndarray:
     return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
 
 
-def _trainer(graphdef, state) -> Trainer:
+def make_trainer(graphdef, state) -> Trainer:
     """Built on every process of the group: the factory the hosts receive by name."""
     import jax
     from flax import nnx
@@ -65,8 +67,12 @@ def _trainer(graphdef, state) -> Trainer:
     )
 
 
-def main(path: str) -> None:
-    group = training_hosts_lib.start_local(1)
+def main(path: str, host: str | None) -> None:
+    if host is None:
+        group = training_hosts_lib.start_local(1)
+    else:
+        coordinator = f"127.0.0.1:{training_hosts_lib.free_port()}"
+        group = training_hosts_lib.connect([host], coordinator)
     try:
         import jax
         from flax import nnx
@@ -74,8 +80,13 @@ def main(path: str) -> None:
         from dora_jax.train.trainer_lib import MirroredTrainer
 
         assert jax.process_count() == 2 and jax.device_count() == 4, jax.devices()
+        # The factory goes to the host pickled by name: by this module's name, which a host
+        # imports (on its PYTHONPATH), not as __main__'s.
+        import training_group_main
+
         graphdef, state = nnx.split(tiny_model())
-        trainer = MirroredTrainer(group.make(_trainer, graphdef, jax.device_get(state)))
+        factory = training_group_main.make_trainer
+        trainer = MirroredTrainer(group.make(factory, graphdef, jax.device_get(state)))
         out = train(trainer, batches())
         published = trainer.publish().params
         out["host_arrays"] = np.bool_(
@@ -88,4 +99,4 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     cpu_flags_lib.use_cpu_devices(2)
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

@@ -1,5 +1,6 @@
 """A trainer on a training group (two processes, `jax.distributed` over gloo) against the same
-trainer on the same mesh shape in one process: the same updates, restore included."""
+trainer on the same mesh shape in one process: the same updates, restore included; with the
+training host a child process and a `dora-jax host` reached over TCP."""
 
 from __future__ import annotations
 
@@ -10,23 +11,44 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 import training_group_main as group_main
 from train_fixtures import tiny_model
 
 from dora_jax.models import sharding_lib
+from dora_jax.runtime import hosts_lib, training_hosts_lib
 from dora_jax.train import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_group_trainer_matches_one_process_on_the_same_mesh(tmp_path):
+@pytest.mark.parametrize("host", ["child", "network"])
+def test_group_trainer_matches_one_process_on_the_same_mesh(tmp_path, host):
     out = tmp_path / "group.npz"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets 2 devices
-    result = subprocess.run(
-        [sys.executable, str(pathlib.Path(group_main.__file__)), str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # 2 devices per process
+    env[hosts_lib.KEY_VARIABLE] = "a test secret"
+    env["PYTHONPATH"] = str(ROOT / "tests" / "runtime")  # the trainer's factory, for the host
+    command = [sys.executable, str(pathlib.Path(group_main.__file__)), str(out)]
+    server = None
+    if host == "network":
+        address = f"127.0.0.1:{training_hosts_lib.free_port()}"
+        server = subprocess.Popen(
+            [sys.executable, "-m", "dora_jax.cli", "host", f"--address={address}",
+             "--num_cpu_devices=2"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert "listening" in server.stdout.readline()
+        command.append(address)
+    try:
+        result = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        if server is not None:  # a training host serves one group, then returns
+            assert server.wait(timeout=120) == 0
+    finally:
+        if server is not None and server.poll() is None:
+            server.kill()
     group = np.load(out)
 
     mesh = sharding_lib.make_mesh(jax.devices()[:4], *group_main.MESH_SHAPE)
