@@ -13,7 +13,6 @@ Perfect overlap would take max(decode, train); none would take their sum.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import threading
@@ -32,7 +31,6 @@ from dora_jax import models  # noqa: E402
 from dora_jax.engine.request_lib import Request  # noqa: E402
 from dora_jax.rollout import bench_lib  # noqa: E402
 from dora_jax.rollout.config_lib import RolloutConfig, train_config  # noqa: E402
-from dora_jax.rollout.trajectory_lib import Trajectory  # noqa: E402
 from dora_jax.runtime.devices_lib import plan_devices  # noqa: E402
 from dora_jax.train import Trainer  # noqa: E402
 
@@ -45,7 +43,9 @@ def main() -> None:
     args = parser.parse_args()
 
     config = bench_longtail.get_config()
-    plan = plan_devices(**config.runtime.to_dict())
+    runtime = config.runtime.to_dict()
+    del runtime["generation_hosts"]  # engines in this process: that is what this measures
+    plan = plan_devices(**runtime)
     model_config = models.ModelConfig(**config.model.to_dict())
     engine = bench_lib._engines(config, models.create(model_config, seed=0), plan)[0]
     params = engine.load_params()
@@ -59,20 +59,6 @@ def main() -> None:
     rng = np.random.default_rng(0)
     lengths = np.exp(np.log(w.median_length) + w.sigma * rng.standard_normal(64))
     lengths = np.clip(lengths, 1, w.max_length).astype(int)
-    g = config.rollout.group_size
-    batch = [
-        Trajectory(
-            prompt_id=i // g,
-            sample_index=i % g,
-            prompt_tokens=np.ones(w.prompt_length, np.int32),
-            response_tokens=np.ones(n, np.int32),
-            behaviour_logprobs=np.zeros(n, np.float32),
-            version=0,
-            token_versions=np.zeros(n, np.int32),
-            reward=float(i % 2),
-        )
-        for i, n in enumerate(lengths)
-    ]
     request = Request(
         prompt_tokens=np.ones(w.prompt_length, np.int32),
         max_new_tokens=w.max_length,
@@ -96,7 +82,7 @@ def main() -> None:
 
     def train(steps: int) -> None:
         for _ in range(steps):
-            trainer.step([dataclasses.replace(t, version=trainer.version) for t in batch])
+            trainer.step(bench_lib.training_batch(config, lengths, trainer.version))
 
     def timed(fn, *a) -> tuple[float, float]:
         wall, cpu = time.perf_counter(), time.process_time()

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -117,22 +118,31 @@ def precompile_trainer(trainer: Trainer, config: ml_collections.ConfigDict) -> N
         n = min(bucket, longest) - w.prompt_length
         if n < 1:
             continue
-        batch = [
-            Trajectory(
-                prompt_id=i // r.group_size,
-                sample_index=i % r.group_size,
-                prompt_tokens=np.ones(w.prompt_length, np.int32),
-                response_tokens=np.ones(n, np.int32),
-                behaviour_logprobs=np.zeros(n, np.float32),
-                version=trainer.version,
-                token_versions=np.full(n, trainer.version, np.int32),
-                reward=float(i % 2),
-            )
-            for i in range(r.train_batch_size)
-        ]
-        trainer.step(batch)
+        trainer.step(training_batch(config, [n] * r.train_batch_size, trainer.version))
         if bucket >= longest:
             break
+
+
+def training_batch(
+    config: ml_collections.ConfigDict, lengths: Sequence[int], version: int
+) -> list[Trajectory]:
+    """Trajectories of the workload's prompt length with these response lengths, sampled at
+    `version`, in groups of the rollout's size: a training step's input of this workload's
+    shapes, for compiling and timing one."""
+    r, w = config.rollout, config.workload
+    return [
+        Trajectory(
+            prompt_id=i // r.group_size,
+            sample_index=i % r.group_size,
+            prompt_tokens=np.ones(w.prompt_length, np.int32),
+            response_tokens=np.ones(n, np.int32),
+            behaviour_logprobs=np.zeros(n, np.float32),
+            version=version,
+            token_versions=np.full(n, version, np.int32),
+            reward=float(i % 2),
+        )
+        for i, n in enumerate(lengths)
+    ]
 
 
 def _engines(
