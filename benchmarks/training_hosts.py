@@ -2,7 +2,7 @@
 same mesh across two processes (this one and a training host, 2 devices each, `jax.distributed`
 over gloo), with the bench's model and TBS-64 batches of its heavy-tailed lengths.
 
-    .venv/bin/python benchmarks/training_hosts.py [--steps 6] [--rounds 3]
+    .venv/bin/python benchmarks/training_hosts.py [--steps 6] [--rounds 3] [--micro-batch 4]
 
 A process joins a group before JAX computes anything, so each measurement is a fresh process:
 the two take turns for `--rounds` rounds, and the table gives each round's median step time,
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dora_jax.runtime import cpu_flags_lib, training_hosts_lib  # noqa: E402
 
 
-def make_trainer(graphdef, state, tp: int):
+def make_trainer(graphdef, state, tp: int, micro_batch: int):
     """Built on every process of the group (the host receives it by name)."""
     import jax
     from flax import nnx
@@ -35,12 +35,13 @@ def make_trainer(graphdef, state, tp: int):
     from dora_jax.train import Trainer
 
     config = bench_longtail.get_config()
+    config.train.micro_batch_size = micro_batch
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "mode": "dora"})
     mesh = sharding_lib.make_mesh(jax.devices(), len(jax.devices()) // tp, tp)
     return Trainer(nnx.merge(graphdef, state), train_config(rollout, config.train), mesh)
 
 
-def measure(group_size: int, steps: int) -> dict[str, float]:
+def measure(group_size: int, steps: int, micro_batch: int) -> dict[str, float]:
     """Step and publish seconds of `steps` training steps after one that compiles."""
     group = training_hosts_lib.start_local(group_size - 1) if group_size > 1 else None
     import jax
@@ -55,7 +56,7 @@ def measure(group_size: int, steps: int) -> dict[str, float]:
     config = bench_longtail.get_config()
     model = models.create(models.ModelConfig(**config.model.to_dict()), seed=0)
     graphdef, state = nnx.split(model)
-    args = (graphdef, jax.device_get(state), 2)
+    args = (graphdef, jax.device_get(state), 2, micro_batch)
     trainer = MirroredTrainer(group.make(make_trainer, *args)) if group else make_trainer(*args)
     w = config.workload
     rng = np.random.default_rng(0)
@@ -80,20 +81,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--micro-batch", type=int, default=4, help="train.micro_batch_size")
     parser.add_argument("--worker", type=int, default=0, help="(internal) processes in the group")
     args = parser.parse_args()
     if args.worker:
         cpu_flags_lib.use_cpu_devices(4 // args.worker)
-        print(json.dumps(measure(args.worker, args.steps)), flush=True)
+        print(json.dumps(measure(args.worker, args.steps, args.micro_batch)), flush=True)
         return
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    print(f"# median seconds over {args.steps} TBS-64 steps; 4 devices, fsdp 2 x tp 2")
+    print(
+        f"# median seconds over {args.steps} TBS-64 steps in micro-batches of "
+        f"{args.micro_batch}; 4 devices, fsdp 2 x tp 2"
+    )
     print("| round | one process: step | publish | 2 processes: step | publish | step ratio |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in range(args.rounds):
         out = {}
         for n in (1, 2):
-            command = [sys.executable, __file__, f"--worker={n}", f"--steps={args.steps}"]
+            command = [sys.executable, __file__, f"--worker={n}", f"--steps={args.steps}",
+                       f"--micro-batch={args.micro_batch}"]  # fmt: skip
             lines = subprocess.run(
                 command, env=env, capture_output=True, text=True, check=True
             ).stdout.splitlines()
