@@ -286,7 +286,9 @@ def warm_up(
             return mirrored.call("step", tokens, mask)
 
         def finish() -> models.Transformer:
-            return nnx.merge(graphdef, mirrored.get("params"))
+            params = mirrored.get("params")
+            mirrored.close()  # the hosts let go of the warm-up's params and optimizer state
+            return nnx.merge(graphdef, params)
 
     rng = np.random.default_rng(config.seed)
     display = progress_lib.ProgressDisplay(steps, "sft", live=progress)
