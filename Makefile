@@ -20,7 +20,7 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -n 2 --dist loadgroup tests
+	$(BIN)/pytest -n 2 --dist loadgroup --durations=15 tests
 
 format: $(STAMP)
 	$(BIN)/ruff format .

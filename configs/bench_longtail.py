@@ -10,11 +10,14 @@ measurements on the 2-core CPU machine (BENCHMARKS.md, "Rollout paradigms (CPU)"
 
 import ml_collections
 
+from dora_jax.runtime import compile_cache_lib
+
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.num_cpu_devices = 4
+    c.compilation_cache_dir = compile_cache_lib.DEFAULT_DIRECTORY
     c.modes = "sync,one_step_off,partial,dora"
     # Named retunings of `rollout`, run as `mode@name` entries of `modes` in the same process as
     # the plain modes, e.g. `--config.modes=sync,dora,dora@wide`; their fields can be overridden

@@ -8,12 +8,16 @@ warm-up on noisy demonstrations gives the policy a modest accuracy that RL then 
 
 import ml_collections
 
+from dora_jax.runtime import compile_cache_lib
+
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     # Virtual CPU devices to create when running on CPU (ignored on TPU/GPU).
     c.num_cpu_devices = 8
+    # JAX's persistent compilation cache, shared with later runs and restarts ('' = off).
+    c.compilation_cache_dir = compile_cache_lib.DEFAULT_DIRECTORY
 
     c.model = ml_collections.ConfigDict()
     c.model.checkpoint = ""  # a Hugging Face model directory; empty = random init from below

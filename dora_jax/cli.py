@@ -5,6 +5,8 @@ Commands follow the flax-examples convention: an ml_collections config file with
 absl. `audit` takes only a workdir: it re-checks C1-C3 from the ledger alone. `host` runs a
 generation or training host for a controller elsewhere (`runtime.generation_hosts`,
 `runtime.training_hosts`); the controller picks the role and sends it everything it needs.
+Every command keeps its compiled programs in JAX's persistent cache (`compilation_cache_dir`,
+`runtime/compile_cache_lib.py`), so restarts and later runs load them instead of compiling.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from dora_jax.runtime import cpu_flags_lib
+from dora_jax.runtime import compile_cache_lib, cpu_flags_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Directory for run outputs.")
@@ -29,6 +31,7 @@ def _config():
     if config is None:
         sys.exit("--config=configs/<name>.py is required")
     cpu_flags_lib.use_cpu_devices(config.num_cpu_devices)
+    compile_cache_lib.use_compilation_cache(config.compilation_cache_dir)
     return config
 
 
@@ -71,11 +74,17 @@ def _bench(argv: list[str]) -> None:
 
 _ADDRESS = flags.DEFINE_string("address", "0.0.0.0:7100", "`host`: HOST:PORT to listen on.")
 _CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 1, "`host`: virtual CPU devices.")
+_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir",
+    compile_cache_lib.DEFAULT_DIRECTORY,
+    "`host`: JAX's persistent compilation cache ('' = off).",
+)
 
 
 def _host(argv: list[str]) -> None:
     del argv
     cpu_flags_lib.use_cpu_devices(_CPU_DEVICES.value)
+    compile_cache_lib.use_compilation_cache(_CACHE_DIR.value)
     from dora_jax.runtime import hosts_lib
 
     try:

@@ -1,7 +1,9 @@
 """Kill `dora-jax train` with SIGKILL at random points, resume, and lose nothing.
 
 The resumed run must end with the ledger an uninterrupted run writes (byte for byte: the
-orchestrator decides from logical events and seeds only), and the audit must pass on it.
+orchestrator decides from logical events and seeds only), and the audit must pass on it. The
+uninterrupted run compiles everything itself (no compilation cache); the killed runs share a
+cache that starts cold, so the same bytes also show that a loaded executable changes nothing.
 """
 
 from __future__ import annotations
@@ -32,15 +34,16 @@ TINY = [
 ]
 
 
-def _start(workdir: pathlib.Path) -> subprocess.Popen:
+def _start(workdir: pathlib.Path, cache: pathlib.Path | None) -> subprocess.Popen:
     command = [sys.executable, "-m", "dora_jax.cli", "train", "--config=configs/default.py",
-               f"--workdir={workdir}", *TINY]  # fmt: skip
+               f"--workdir={workdir}", f"--config.compilation_cache_dir={cache or ''}",
+               *TINY]  # fmt: skip
     log = open(workdir.parent / f"{workdir.name}.log", "ab")  # noqa: SIM115
     return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _finish(workdir: pathlib.Path) -> None:
-    assert _start(workdir).wait(timeout=900) == 0, workdir.parent / f"{workdir.name}.log"
+def _finish(workdir: pathlib.Path, cache: pathlib.Path | None) -> None:
+    assert _start(workdir, cache).wait(timeout=900) == 0, workdir.parent / f"{workdir.name}.log"
 
 
 def _checkpoints(workdir: pathlib.Path) -> list[int]:
@@ -55,15 +58,16 @@ def _checkpoints(workdir: pathlib.Path) -> list[int]:
 def test_sigkill_at_random_points_then_resume_loses_nothing(tmp_path):
     reference = tmp_path / "reference"
     reference.mkdir()
-    _finish(reference)
+    _finish(reference, cache=None)
     expected = (reference / "ledger.jsonl").read_bytes()
     assert audit_lib.audit(str(reference)).passed
 
+    cache = tmp_path / "compilation_cache"
     rng = np.random.default_rng(int(os.environ.get("DORA_KILL_SEED", "0")))
     for trial in range(2):
         workdir = tmp_path / f"killed{trial}"
         workdir.mkdir()
-        process = _start(workdir)
+        process = _start(workdir, cache)
         deadline = time.time() + 600
         while not _checkpoints(workdir) and process.poll() is None and time.time() < deadline:
             time.sleep(0.2)
@@ -71,7 +75,7 @@ def test_sigkill_at_random_points_then_resume_loses_nothing(tmp_path):
         process.send_signal(signal.SIGKILL)
         process.wait()
         assert _checkpoints(workdir), "killed before the first checkpoint was written"
-        _finish(workdir)
+        _finish(workdir, cache)
         log = (tmp_path / f"killed{trial}.log").read_text()
         assert "resumed from the checkpoint of version" in log
         report = audit_lib.audit(str(workdir))
