@@ -72,6 +72,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.reward = ml_collections.ConfigDict()
     c.reward.name = "exact_match"  # a registered name or a dotted path to a user function
     c.reward.timeout_s = 5.0
+    # DAPO's soft overlong punishment: a penalty growing linearly to -overlong_penalty over the
+    # last overlong_buffer tokens before engine.max_decode_length (0 = off).
+    c.reward.overlong_buffer = 0
+    c.reward.overlong_penalty = 1.0
 
     c.engine = ml_collections.ConfigDict()
     c.engine.slots = 16  # decode slots per rollout instance

@@ -35,6 +35,7 @@ from dora_jax.engine import Engine, Request, SamplingParams, generate_all
 from dora_jax.models import sharding_lib
 from dora_jax.observe import metrics_lib, plots_lib, progress_lib
 from dora_jax.rewards import RewardRunner, get_reward
+from dora_jax.rewards.shaping_lib import OverlongPenalty
 from dora_jax.rollout.config_lib import RolloutConfig, train_config
 from dora_jax.rollout.request_lib import PromptSpec
 from dora_jax.rollout.runner_lib import Rollout
@@ -64,6 +65,7 @@ class Settings:
     # Where the rollout instances' engines run: () in this process, ("local",) * N in child
     # processes, or one HOST:PORT per instance of running `dora-jax host`s.
     generation_hosts: tuple[str, ...]
+    overlong: OverlongPenalty
 
 
 def validate(config: ml_collections.ConfigDict) -> Settings:
@@ -80,6 +82,11 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "seed": config.seed})
     train = train_config(rollout, config.train)
     get_reward(config.reward.name)  # an unknown reward name fails here, not mid-run
+    overlong = OverlongPenalty(
+        int(config.engine.max_decode_length),
+        config.reward.overlong_buffer,
+        config.reward.overlong_penalty,
+    )
     runtime = config.runtime.to_dict()
     hosts = _generation_hosts(runtime.pop("generation_hosts", ""), runtime["num_instances"])
     runtime.pop("coordinator", "")
@@ -89,7 +96,9 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
     plan = plan_devices(
         **runtime, remote_instances=bool(group) or (bool(hosts) and hosts[0] != "local")
     )
-    return Settings(rollout=rollout, train=train, plan=plan, generation_hosts=hosts)
+    return Settings(
+        rollout=rollout, train=train, plan=plan, generation_hosts=hosts, overlong=overlong
+    )
 
 
 def _check_training_group(value: str, generation_hosts: Sequence[str], train_devices: int) -> None:
@@ -230,16 +239,35 @@ class PromptStream:
 
 
 class RewardAdapter:
-    """(prompt id, response tokens) -> reward, through the timeout-safe `RewardRunner`."""
+    """(prompt id, response tokens) -> reward: the task's, through the timeout-safe
+    `RewardRunner`, plus the overlong penalty of the response's length."""
 
-    def __init__(self, runner: RewardRunner, tokenizer: Tokenizer, prompts: PromptStream):
+    def __init__(
+        self,
+        runner: RewardRunner,
+        tokenizer: Tokenizer,
+        prompts: PromptStream,
+        overlong: OverlongPenalty,
+    ):
         self.runner = runner
         self.tokenizer = tokenizer
         self.prompts = prompts
+        self.overlong = overlong
+        self.penalized = 0
 
     def __call__(self, prompt_id: int, tokens: np.ndarray) -> float:
         text = self.tokenizer.decode([int(t) for t in tokens])
-        return self.runner.score([(prompt_id, text, self.prompts.answer(prompt_id))])[0]
+        reward = self.runner.score([(prompt_id, text, self.prompts.answer(prompt_id))])[0]
+        penalty = self.overlong(len(tokens))
+        self.penalized += penalty < 0
+        return reward + penalty
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters, the reward runner's and the overlong penalty's."""
+        return {
+            **{k: float(v) for k, v in self.runner.metrics().items()},
+            "reward/overlong_penalized": float(self.penalized),
+        }
 
 
 # -- policy -------------------------------------------------------------------------------------
@@ -483,6 +511,7 @@ def _train_and_evaluate(
         config.engine.max_decode_length,
         first_id=resume["next_prompt"] if resume else 0,
     )
+    reward = RewardAdapter(runner, data.tokenizer, prompts, settings.overlong)
     writer = metrics_lib.MetricsWriter(workdir, resume and meta["metrics_offset"])
     display = progress_lib.ProgressDisplay(settings.rollout.num_iterations, "rl", live=progress)
     rl_start = time.perf_counter() - meta.get("rl_seconds", 0.0)
@@ -491,7 +520,7 @@ def _train_and_evaluate(
         step = int(metrics["iteration"]) + 1
         metrics = {
             **metrics,
-            **{k: float(v) for k, v in runner.metrics().items()},
+            **reward.metrics(),
             **{f"data/skipped_{k}": float(v) for k, v in iterator.skipped.items()},
             "wall_time_s": time.perf_counter() - rl_start,
         }
@@ -525,7 +554,7 @@ def _train_and_evaluate(
         hosts or engines,
         trainer,
         prompts,
-        RewardAdapter(runner, data.tokenizer, prompts),
+        reward,
         workdir,
         on_iteration=on_iteration,
         checkpoint_every=config.checkpoint.every,
@@ -561,7 +590,7 @@ def _train_and_evaluate(
         "wall_time_s": time.perf_counter() - start,
         "trained_tokens_per_s": trained_tokens / max(rl_seconds, 1e-9),
         "rollout_totals": dict(rollout.totals),
-        "reward_counters": runner.metrics(),
+        "reward_counters": reward.metrics(),
         "skipped_rows": dict(iterator.skipped),
         "resumed_from": latest,
     }

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 
 from configs import default
@@ -32,6 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("runtime", "num_instances", 9, "runtime.num_instances"),
         ("train", "loss", "no_such_loss", "loss"),
         ("reward", "name", "no_such_reward", "no_such_reward"),
+        ("reward", "overlong_buffer", 49, "reward.overlong_buffer"),  # > engine.max_decode_length
+        ("reward", "overlong_penalty", -1.0, "reward.overlong_penalty"),
         ("model", "dtype", "float8", "model.dtype"),
         ("data", "source", "s3", "data.source"),
         ("engine", "slots", 0, "engine.slots"),
@@ -83,6 +86,29 @@ def test_local_hosts_are_refused_on_an_accelerator(monkeypatch):
     monkeypatch.setattr(app_lib.jax, "devices", lambda: [types.SimpleNamespace(platform="gpu")])
     with pytest.raises(ValueError, match=r"runtime\.generation_hosts='local' .* only CPU"):
         app_lib.validate(config)
+
+
+def test_the_trained_reward_is_the_tasks_plus_the_overlong_penalty():
+    config = default.get_config()
+    config.reward.overlong_buffer = 8
+    config.reward.overlong_penalty = 0.5
+    settings = app_lib.validate(config)  # engine.max_decode_length = 48: penalised past 40
+    records = iter([{"prompt_tokens": [1, 2], "answer": "7"}] * 4)
+    prompts = app_lib.PromptStream(records, group_size=4, max_new_tokens=48)
+    prompts(0)
+    # Tokens below 10 decode to their digit, the others to spaces, which exact_match strips.
+    tokenizer = types.SimpleNamespace(
+        decode=lambda ids: "".join(str(t) if t < 10 else " " for t in ids)
+    )
+    runner = app_lib.RewardRunner(app_lib.get_reward("exact_match"), timeout_s=5.0)
+    reward = app_lib.RewardAdapter(runner, tokenizer, prompts, settings.overlong)
+    right, wrong = [7], [3]
+    assert reward(0, np.asarray(right, np.int32)) == 1.0
+    assert reward(0, np.asarray([10] * 43 + right, np.int32)) == 1.0 - 0.5 * 4 / 8
+    assert reward(0, np.asarray([10] * 47 + wrong, np.int32)) == -0.5
+    assert reward(0, np.asarray([10] * 39 + wrong, np.int32)) == 0.0
+    assert reward.metrics()["reward/overlong_penalized"] == 2
+    assert reward.metrics()["reward/calls"] == 4
 
 
 def test_real_recipe_is_a_valid_config():
