@@ -8,8 +8,8 @@ before it is told it was wrong. Shorter responses are untouched.
 
 The penalty shapes the reward the trainer sees (the ledger records it too, since that is what
 was trained on); held-out evaluation scores the task reward alone. The truncated samples are
-still trained: shaping replaces DAPO's other option, dropping them (`train.mask_truncated`),
-without losing the signal.
+still trained: shaping replaces DAPO's other option, masking them out of the loss
+(`train.mask_truncated`), without losing their signal.
 """
 
 from __future__ import annotations

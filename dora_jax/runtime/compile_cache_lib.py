@@ -4,7 +4,7 @@ A run compiles the engine's prefill buckets and decode step for every generation
 training step per length bucket, and the small programs around them; a restart after a
 preemption or a crash, a generation or training host, and the next experiment compile the same
 programs again. With the cache they load them instead: the tests' tiny `dora-jax train` starts
-and finishes in 23-29 s instead of 67-70 s on the 2-core CI machine (BENCHMARKS.md), and on
+and finishes in 23-25 s instead of 67-70 s on the 2-core CI machine (BENCHMARKS.md), and on
 TPU/GPU it saves the minutes each restart spends compiling. JAX keys an entry by the program,
 the devices, the compile options and the jax/XLA versions, so a hit is the executable a fresh
 compile would build: a run writes the same ledger with a cold cache, a warm one or none
@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-# Unbounded (the whole test suite writes ~60 MB; delete the directory to clear it). JAX's size
+# Unbounded (the whole test suite writes ~40 MB; delete the directory to clear it). JAX's size
 # bound is not used: with one, every write re-reads the size and access time of every entry
 # under a lock, which made the test suite's cold run 5 minutes slower. Without the lock a reader
 # may meet an entry another process is still writing; JAX then warns and compiles instead.
