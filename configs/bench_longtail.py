@@ -57,6 +57,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.runtime.devices_per_instance = 1
     # "local": each instance's engine in a child process of its own (`runtime.hosts_lib`).
     c.runtime.generation_hosts = ""
+    # The trainer's own hardware, as on a pod: every mode's trainer runs in a process of its own
+    # pinned to this many cores, the controller and the engines on the rest (`cpu_cores_lib`).
+    # With 0 (everything on both cores) sync's rollout borrows the trainer's idle core and the
+    # other modes pay for training in contention with decoding: dora 1.6-1.9x sync there,
+    # against 2.2x with 1 (BENCHMARKS.md).
+    c.runtime.train_cpu_cores = 1
 
     c.workload = ml_collections.ConfigDict()
     c.workload.prompt_length = 8

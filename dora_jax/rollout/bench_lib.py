@@ -11,6 +11,7 @@ audit and Perfetto. A `mode@variant` entry runs a mode with other rollout settin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,8 +30,9 @@ from dora_jax.rollout import audit_lib, ledger_lib, request_lib, telemetry_lib
 from dora_jax.rollout.config_lib import RolloutConfig, train_config
 from dora_jax.rollout.runner_lib import Rollout
 from dora_jax.rollout.trajectory_lib import Trajectory
-from dora_jax.runtime import hosts_lib
+from dora_jax.runtime import cpu_cores_lib, hosts_lib
 from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
+from dora_jax.runtime.trainer_process_lib import TrainerProcess, TrainerSpec
 from dora_jax.train import Trainer
 
 REPORTED = ("trained_tokens_per_s", "rollout_time_s", "step_time_s", "bubble_fraction",
@@ -110,7 +112,9 @@ def precompile_engines(engines: list[Engine]) -> None:
         jax.block_until_ready(engine.free_slot(state, 1))
 
 
-def precompile_trainer(trainer: Trainer, config: ml_collections.ConfigDict) -> None:
+def precompile_trainer(
+    trainer: Trainer | TrainerProcess, config: ml_collections.ConfigDict
+) -> None:
     """Compiles a training step per length bucket; the caller restores the trainer's state."""
     r, w = config.rollout, config.workload
     longest = w.prompt_length + w.max_length
@@ -173,7 +177,7 @@ def run_mode(
     config: ml_collections.ConfigDict,
     rollout_config: RolloutConfig,
     engines: list[Engine],
-    trainer: Trainer,
+    trainer: Trainer | TrainerProcess,
     workdir: str,
 ) -> dict[str, float]:
     """One measured run of one paradigm over the whole workload (`num_iterations` batches, the
@@ -266,43 +270,67 @@ def run_bench(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict
     modes take turns, in a rotating order, so that a slow spell of a shared machine hits all of
     them rather than one. Repeat 0 leaves its ledger and trace in `WORKDIR/<mode>/`, later
     repeats in `WORKDIR/<mode>/repeat<r>/`; every repeat must write the same ledger.
+
+    With `runtime.train_cpu_cores` = n > 0 every mode's trainer runs in a process of its own on
+    n of the host's cores and this process (controller and engines) keeps the rest, for the run
+    only (`cpu_cores_lib`); 0 leaves everything in this process, on every core.
     """
     configs = rollout_configs(config)
-    modes = list(configs)
     runtime = config.runtime.to_dict()
     if runtime.pop("generation_hosts") not in ("", "local"):
         raise ValueError("runtime.generation_hosts: the bench runs '' or 'local' hosts only")
+    train_cpu_cores = runtime.pop("train_cpu_cores", 0)
     plan = plan_devices(**runtime)
+    if not train_cpu_cores:
+        return _run_bench(config, workdir, configs, plan, None)
+    train_cores, rollout_cores = cpu_cores_lib.split(train_cpu_cores)
+    # Engines and generation hosts start inside the block, so they keep to rollout's cores.
+    with cpu_cores_lib.pinned(rollout_cores):
+        return _run_bench(config, workdir, configs, plan, train_cores)
+
+
+def _run_bench(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    configs: dict[str, RolloutConfig],
+    plan: DevicePlan,
+    train_cores: frozenset[int] | None,
+) -> dict[str, dict[str, Any]]:
+    modes = list(configs)
     # The same initialisation for every mode; each trainer owns its copy (its steps donate it).
     model_config = models.ModelConfig(**config.model.to_dict())
     engines = _engines(config, models.create(model_config, seed=config.seed), plan)
     precompile_engines(engines)
     setups = {}
-    for mode, rollout_config in configs.items():
-        trainer = Trainer(
-            models.create(model_config, seed=config.seed),
-            train_config(rollout_config, config.train),
-            plan.train_mesh,
-        )
-        initial = jax.tree.map(np.array, jax.device_get(trainer.state))
-        precompile_trainer(trainer, config)
-        trainer.restore(initial)
-        if config.warmup_iterations > 0:
-            warm = dataclasses.replace(rollout_config, num_iterations=config.warmup_iterations)
-            prompts = workload(config, config.seed + 1, config.warmup_iterations)
-            warm_dir = os.path.join(workdir, mode, "warmup")
-            Rollout(warm, engines, trainer, prompts, _parity_reward, warm_dir).run()
+    with contextlib.ExitStack() as trainer_processes:
+        for mode, rollout_config in configs.items():
+            train = train_config(rollout_config, config.train)
+            if train_cores is None:
+                model = models.create(model_config, seed=config.seed)
+                trainer = Trainer(model, train, plan.train_mesh)
+            else:
+                fsdp, tp = plan.train_mesh.shape["fsdp"], plan.train_mesh.shape["tp"]
+                spec = TrainerSpec(model_config, train, config.seed, fsdp, tp, train_cores)
+                trainer = trainer_processes.enter_context(TrainerProcess(spec))
+            initial = jax.tree.map(np.array, jax.device_get(trainer.state))
+            precompile_trainer(trainer, config)
             trainer.restore(initial)
-        setups[mode] = (rollout_config, trainer, initial)
-    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
-    for repeat in range(config.repeats):
-        shift = repeat % len(modes)
-        for mode in modes[shift:] + modes[:shift]:
-            rollout_config, trainer, initial = setups[mode]
-            run_dir = os.path.join(workdir, mode, *([f"repeat{repeat}"] if repeat else []))
-            runs[mode].append(run_mode(config, rollout_config, engines, trainer, run_dir))
-            trainer.restore(initial)
-            print(f"{mode} (repeat {repeat}): {runs[mode][-1]}", flush=True)
+            if config.warmup_iterations > 0:
+                warm = dataclasses.replace(rollout_config, num_iterations=config.warmup_iterations)
+                prompts = workload(config, config.seed + 1, config.warmup_iterations)
+                warm_dir = os.path.join(workdir, mode, "warmup")
+                Rollout(warm, engines, trainer, prompts, _parity_reward, warm_dir).run()
+                trainer.restore(initial)
+            setups[mode] = (rollout_config, trainer, initial)
+        runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+        for repeat in range(config.repeats):
+            shift = repeat % len(modes)
+            for mode in modes[shift:] + modes[:shift]:
+                rollout_config, trainer, initial = setups[mode]
+                run_dir = os.path.join(workdir, mode, *([f"repeat{repeat}"] if repeat else []))
+                runs[mode].append(run_mode(config, rollout_config, engines, trainer, run_dir))
+                trainer.restore(initial)
+                print(f"{mode} (repeat {repeat}): {runs[mode][-1]}", flush=True)
     results = {mode: _summary(runs[mode], os.path.join(workdir, mode)) for mode in modes}
     with open(os.path.join(workdir, "bench.json"), "w") as f:
         json.dump(results, f, indent=2)

@@ -41,6 +41,7 @@ def tiny_config():
     c.model.head_dim = 8
     c.runtime.train_devices = 2
     c.runtime.num_instances = 2
+    c.runtime.train_cpu_cores = 0  # one process: the trainer process has a test of its own
     c.workload.median_length = 4
     c.workload.max_length = 24
     c.engine.slots = 4
@@ -168,3 +169,21 @@ def test_on_generation_hosts_the_bench_writes_the_same_ledger(tmp_path):
     assert ledger_lib.read(str(tmp_path / "hosts" / "dora")) == ledger_lib.read(
         str(tmp_path / "here" / "dora")
     )
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin apart")
+def test_a_trainer_on_cores_of_its_own_trains_the_same_samples_and_cores_come_back(tmp_path):
+    """`runtime.train_cpu_cores`: same config and seed, the trainer in this process or in one of
+    its own on its own core: the same ledger (the published weights cross the process boundary
+    intact), and this process is back on every core it had afterwards."""
+    config = tiny_config()
+    config.update(modes="dora", repeats=1, warmup_iterations=0)
+    allowed = os.sched_getaffinity(0)
+    ledgers = {}
+    for cores in (0, 1):
+        config.runtime.train_cpu_cores = cores
+        bench_lib.run_bench(config, str(tmp_path / str(cores)))
+        ledgers[cores] = (tmp_path / str(cores) / "dora" / ledger_lib.LEDGER_FILE).read_bytes()
+        assert os.sched_getaffinity(0) == allowed
+    assert b'"event": "train"' in ledgers[1]
+    assert ledgers[1] == ledgers[0]
