@@ -38,8 +38,8 @@ from dora_jax.train import Trainer
 REPORTED = ("trained_tokens_per_s", "rollout_time_s", "step_time_s", "bubble_fraction",
             "slot_occupancy")  # fmt: skip
 # The printed table adds the schedule's decode cost in logical units (noise-free) and the CPU
-# time the whole process spent on the run: no run can take less wall time than its CPU-seconds
-# over the host's cores, which bounds how far better overlap alone could take a mode.
+# time this process spent on the run: no run can take less wall time than its CPU-seconds over
+# the cores this process runs on, which bounds how far better overlap alone could take a mode.
 TABLE = (*REPORTED, "instance_steps", "cpu_seconds")
 
 
@@ -184,8 +184,9 @@ def run_mode(
     same prompts and forced lengths in every mode, all of them trained); returns the figures of
     `REPORTED` plus the audit verdict. Throughput is its trained tokens (prompt + response) over
     its wall time, start to last publish. `cpu_seconds` is the process's user + system time
-    over the run (every thread: controller, trainer, XLA's device threads; generation hosts'
-    processes are not counted). The trainer must hold the initial state."""
+    over the run (every thread: controller, trainer, XLA's device threads; a trainer process
+    and generation hosts' processes are not counted). The trainer must hold the initial
+    state."""
     prompts = workload(config, config.seed, rollout_config.num_iterations)
     cpu_start = time.process_time()
     start = time.perf_counter()
