@@ -50,5 +50,24 @@ def put(tree: Any, shardings: Any, *, copy: bool = False) -> Transfer:
         placed = shardings.engine.place(jax.device_get(tree))
     else:
         placed = jax.device_put(tree, shardings, may_alias=False if copy else None)
+        if copy:
+            placed = jax.tree.map(_unshare, tree, placed)
         jax.block_until_ready(placed)
     return Transfer(placed, time.perf_counter() - start, tree_nbytes(placed))
+
+
+def _buffers(x: Any) -> set[int]:
+    if not isinstance(x, jax.Array) or x.is_deleted():
+        return set()
+    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
+
+
+def _unshare(source: Any, placed: Any) -> Any:
+    """`placed` in buffers of its own. JAX (0.10) places an array that lives on one device
+    onto a sharding replicated over several by reusing its buffer for that device's shard,
+    even with `may_alias=False`; a copy on the same sharding does not. Donating such a shard
+    (the trainer's step) would delete the source's buffer, or a reference policy placed from
+    the same model."""
+    if _buffers(source) & _buffers(placed):
+        return jax.device_put(placed, placed.sharding, may_alias=False)
+    return placed

@@ -56,6 +56,18 @@ def test_copy_never_aliases_the_source():
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_copy_from_one_device_onto_a_replicated_sharding_is_a_copy_too():
+    """JAX reuses the source's buffer for its own device's shard here, even asked not to."""
+    host = _tree()
+    source = jax.device_put(host, jax.devices()[0])
+    replicated = jax.tree.map(lambda _: NamedSharding(TRAIN, PartitionSpec()), host)
+    copied = transfer_lib.put(source, replicated, copy=True).tree
+    for x in jax.tree.leaves(copied):
+        x.delete()  # the trainer donating its params
+    for got, want in zip(jax.tree.leaves(source), jax.tree.leaves(host), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_without_copy_a_tree_already_in_place_is_reused():
     source, shardings = _on(GENERATE, _tree(), _columns)
     moved = transfer_lib.put(source, shardings).tree
