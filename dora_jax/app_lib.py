@@ -346,7 +346,8 @@ def _group_sft(
 
 
 def _group_trainer(graphdef: Any, state: Any, tp: int, config: TrainConfig) -> Trainer:
-    return Trainer(nnx.merge(graphdef, state), config, _group_mesh(tp))
+    model = nnx.merge(graphdef, state)
+    return Trainer(model, config, _group_mesh(tp), reference_model=model)
 
 
 def heldout_records(config: ml_collections.ConfigDict, data: TaskData) -> list[dict[str, Any]]:
@@ -477,8 +478,10 @@ def _train_and_evaluate(
     if latest is None:
         model = warm_up(config, model, data, settings.plan.train_mesh, progress, group)
     engines = make_engines(config, model, settings.plan, data.tokenizer.eos_id)
+    # With `train.kl_coef` > 0 the KL penalty's reference is the policy RL starts from (after
+    # the warm-up); the trainer keeps it in its checkpointed state, so a resume restores it.
     if group is None:
-        trainer = Trainer(model, settings.train, settings.plan.train_mesh)
+        trainer = Trainer(model, settings.train, settings.plan.train_mesh, reference_model=model)
     else:
         graphdef, state = nnx.split(model)
         tp = settings.plan.train_mesh.shape["tp"]
@@ -609,7 +612,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
     latest = checkpointer.latest_step()
     params = engine.load_params(version=0)
     if latest is not None:
-        trainer = Trainer(model, settings.train, settings.plan.train_mesh)
+        trainer = Trainer(model, settings.train, settings.plan.train_mesh, reference_model=model)
         restored = checkpointer.restore(
             latest, train_state_like=_train_arrays(trainer.state), data_iterator=None
         )
@@ -620,12 +623,12 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
     return {"version": float(latest or 0), **scores}
 
 
-_TRAIN_ARRAYS = ("params", "opt_state")
+_TRAIN_ARRAYS = ("params", "opt_state", "reference")  # the reference only with a KL penalty
 
 
 def _train_arrays(state: dict[str, Any]) -> dict[str, Any]:
     """The array part of the trainer's state (the rest is counters, kept in the JSON meta)."""
-    return {k: state[k] for k in _TRAIN_ARRAYS}
+    return {k: state[k] for k in _TRAIN_ARRAYS if k in state}
 
 
 def _prompt_dataset(

@@ -43,6 +43,14 @@ class Published(NamedTuple):
     metrics: dict[str, float]  # publish_seconds, publish_bytes
 
 
+class _Reference(NamedTuple):
+    """The frozen policy of the KL penalty, on the training mesh."""
+
+    fn: Functional
+    params: Any
+    shardings: Any
+
+
 class Trainer:
     """Holds the policy's params and optimizer state on `mesh` and updates them."""
 
@@ -61,7 +69,7 @@ class Trainer:
         self.mesh = mesh
         self._fn, params = Functional.of(model)
         self._shardings = sharding_lib.param_shardings(params, mesh)
-        self._params = jax.device_put(params, self._shardings, may_alias=False)
+        self._params = transfer_lib.put(params, self._shardings, copy=True).tree
         self._tx = optimizer_lib.make(config)
         self._schedule = optimizer_lib.schedule(config)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -75,11 +83,12 @@ class Trainer:
         self._opt_state = jax.jit(self._tx.init, out_shardings=self._opt_shardings)(self._params)
         self._flat_shardings = tuple(jax.tree.leaves(self._shardings))
         self._flat_opt_shardings = tuple(jax.tree.leaves(self._opt_shardings))
-        self._ref = None
+        self._ref: _Reference | None = None
         if reference_model is not None and config.kl_coef > 0:
             ref_fn, ref_params = Functional.of(reference_model)
             ref_shardings = sharding_lib.param_shardings(ref_params, mesh)
-            self._ref = (ref_fn, jax.device_put(ref_params, ref_shardings, may_alias=False))
+            reference = transfer_lib.put(ref_params, ref_shardings, copy=True).tree
+            self._ref = _Reference(ref_fn, reference, ref_shardings)
         self._version = 0
         self._skipped = 0
         self._optimizer_steps = 0  # applied (not skipped) optimizer steps
@@ -102,19 +111,29 @@ class Trainer:
 
     @property
     def state(self) -> dict[str, Any]:
-        """Everything a checkpoint needs (a plain pytree for orbax)."""
-        return {
+        """Everything a checkpoint needs (a plain pytree for orbax). With a KL penalty that
+        includes the reference policy's params: a resumed run must keep the reference it
+        started with, which may not be recomputable (it is often the policy after a warm-up)."""
+        state = {
             "params": self._params,
             "opt_state": self._opt_state,
             "version": self._version,
             "skipped_updates": self._skipped,
             "optimizer_steps": self._optimizer_steps,
         }
+        if self._ref is not None:
+            state["reference"] = self._ref.params
+        return state
 
     def restore(self, state: dict[str, Any]) -> None:
         """Loads a `state` (e.g. from orbax) onto the training mesh's shardings."""
-        self._params = jax.device_put(state["params"], self._shardings, may_alias=False)
-        self._opt_state = jax.device_put(state["opt_state"], self._opt_shardings, may_alias=False)
+        self._params = transfer_lib.put(state["params"], self._shardings, copy=True).tree
+        self._opt_state = transfer_lib.put(state["opt_state"], self._opt_shardings, copy=True).tree
+        if self._ref is not None:
+            if "reference" not in state:
+                raise ValueError("train.kl_coef > 0, but the state to restore has no reference")
+            reference = transfer_lib.put(state["reference"], self._ref.shardings, copy=True).tree
+            self._ref = self._ref._replace(params=reference)
         self._version = int(state["version"])
         self._skipped = int(state["skipped_updates"])
         self._optimizer_steps = int(state["optimizer_steps"])
@@ -262,7 +281,7 @@ class Trainer:
     # -- internals --------------------------------------------------------------------------
 
     def _copy(self, params: Any) -> Any:
-        return jax.device_put(params, self._shardings, may_alias=False)
+        return transfer_lib.put(params, self._shardings, copy=True).tree
 
     def _place(
         self, mbs: Sequence[batch_lib.MicroBatch], extras: Sequence[tuple[np.ndarray, ...]]
@@ -298,7 +317,9 @@ class Trainer:
             "train_behaviour_logp": None,
         }
         if self._ref is not None:
-            inputs["ref_logp"] = _logprobs(self._ref[0], self._ref[1], tokens, positions, targets)
+            inputs["ref_logp"] = _logprobs(
+                self._ref.fn, self._ref.params, tokens, positions, targets
+            )
         if self.config.tis_cap is not None:
             versions = np.asarray([samples[r].version for r in mb.rows])
             train_logp = jnp.zeros(mask.shape, jnp.float32)

@@ -170,6 +170,7 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
     config.engine.slots = 4
     config.eval.update(num_prompts=8, samples_per_prompt=1)
     config.checkpoint.every = 2
+    config.train.kl_coef = 0.05  # the reference policy goes into every checkpoint
     config.runtime.generation_hosts = "local"
     started = []
     start = hosts_lib.start_local_hosts
@@ -193,6 +194,13 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
     reloaded = models.from_pretrained(str(workdir / "hf_policy"))
     assert reloaded.config.vocab_size == tokenizer.vocab_size
     assert audit_lib.audit(str(workdir)).passed
+    with open(workdir / "metrics.jsonl") as f:
+        kl = [record["train/kl"] for record in map(json.loads, f)]
+    assert len(kl) == 4
+    assert 0 <= kl[0] < 1e-3  # the reference is the policy RL started from
+    assert max(kl) > kl[0]
+    scores = app_lib.evaluate_checkpoint(config, str(workdir))  # restores the reference too
+    assert scores["version"] == 2
     on_disk = json.loads((workdir / "summary.json").read_text())
     for key in ("heldout_accuracy_before", "heldout_accuracy_after", "iterations", "wall_time_s",
                 "trained_tokens_per_s"):  # fmt: skip

@@ -175,6 +175,27 @@ def test_kl_to_reference():
     assert trainer.step(batch)["kl"] > first["kl"]
 
 
+def test_the_kl_reference_travels_with_the_state():
+    """A resumed run keeps the reference it started with, not the one it was rebuilt with."""
+    config = dataclasses.replace(BASE, kl_coef=0.1)
+    trainer = Trainer(tiny_model(), config, MESH, reference_model=tiny_model(3))
+    rng = np.random.RandomState(11)
+    trainer.step(_with_behaviour(trainer, random_batch(rng, 2, 4)))
+    trainer.publish()
+    saved = jax.device_get(trainer.state)
+    for a, b in zip(_host(saved["reference"]), _host(Functional.of(tiny_model(3))[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    resumed = Trainer(tiny_model(5), config, MESH, reference_model=tiny_model(5))
+    resumed.restore(saved)
+    batch = _with_behaviour(trainer, random_batch(rng, 2, 4, version=1))
+    expected, got = trainer.step(batch), resumed.step(batch)
+    np.testing.assert_allclose(got["kl"], expected["kl"], rtol=1e-6)
+    assert expected["kl"] > 1e-3  # reference seed 3 against policy seed 0: far apart
+    del saved["reference"]
+    with pytest.raises(ValueError, match="reference"):
+        resumed.restore(saved)
+
+
 def test_truncated_samples_are_masked_out():
     config = dataclasses.replace(BASE, mask_truncated=True)
     results = []
