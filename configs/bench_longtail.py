@@ -11,6 +11,7 @@ measurements on the 2-core CPU machine (BENCHMARKS.md, "Rollout paradigms (CPU)"
 import ml_collections
 
 from dora_jax.runtime import compile_cache_lib
+from dora_jax.train import config_lib as train_config_lib
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -91,11 +92,12 @@ def get_config() -> ml_collections.ConfigDict:
     # trainer's step overlaps decoding instead of the loop blocking on it.
     c.rollout.publish_delay_steps = 40
 
-    c.train = ml_collections.ConfigDict()
-    c.train.learning_rate = 1e-4
     # Length-sorted micro-batches of 4 with fine buckets, for every mode alike: 29% padding
     # against 47% with micro-batches of 8 and buckets (16, 32, 64, 128, 192), and a TBS-64 step
     # of the bench's lengths in ~80-90 ms against ~110-130 ms (measured in isolation).
-    c.train.length_buckets = (16, 24, 32, 48, 64, 96, 128, 192)
-    c.train.micro_batch_size = 4
+    c.train = train_config_lib.config_section(
+        learning_rate=1e-4,
+        length_buckets=(16, 24, 32, 48, 64, 96, 128, 192),
+        micro_batch_size=4,
+    )
     return c

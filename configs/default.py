@@ -9,6 +9,7 @@ warm-up on noisy demonstrations gives the policy a modest accuracy that RL then 
 import ml_collections
 
 from dora_jax.runtime import compile_cache_lib
+from dora_jax.train import config_lib as train_config_lib
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -100,13 +101,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.kv_pressure = 0.9
     c.rollout.publish_delay_steps = 4
 
-    c.train = ml_collections.ConfigDict()
-    c.train.mini_batches = 2
-    c.train.learning_rate = 2e-4
-    c.train.warmup_steps = 2
-    c.train.advantage = "grpo"
-    c.train.loss = "ppo_clip"
-    c.train.length_buckets = (16, 32, 64)
+    # Every trainer field, at its default unless set here, so each one can be overridden.
+    c.train = train_config_lib.config_section(
+        mini_batches=2,
+        learning_rate=2e-4,
+        warmup_steps=2,
+        advantage="grpo",
+        loss="ppo_clip",
+        length_buckets=(16, 32, 64),
+    )
 
     c.eval = ml_collections.ConfigDict()
     c.eval.num_prompts = 256

@@ -7,7 +7,11 @@ split fails at start-up with the field's name, not hours later inside a jitted s
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from typing import Any
+
+import ml_collections
 
 from dora_jax.train import advantage_lib, loss_lib
 
@@ -132,6 +136,33 @@ class TrainConfig:
         if "length_buckets" in values:
             values["length_buckets"] = tuple(values["length_buckets"])
         return cls(**values)
+
+
+# Set from the rollout config (`rollout.config_lib.train_config`), never in `config.train`.
+ROLLOUT_FIELDS = ("tbs", "group_size", "max_staleness")
+
+
+def config_section(**values: Any) -> ml_collections.ConfigDict:
+    """A config file's `train` section: every field a user may set, at its default unless
+    given here. ml_collections refuses a command-line override of a key its config lacks
+    (`--config.train.kl_coef=0.05` is an AttributeError then), so a section that listed only
+    the fields it changed left the others unreachable. Fields whose default is None are typed
+    placeholders, so that an override still parses as a number."""
+    hints = typing.get_type_hints(TrainConfig)
+    section = ml_collections.ConfigDict()
+    for field in dataclasses.fields(TrainConfig):
+        if field.name in ROLLOUT_FIELDS:
+            if field.name in values:
+                _fail(field.name, "is set by the rollout config, not in config.train")
+            continue
+        value = values.pop(field.name, field.default)
+        if value is None:
+            (kind,) = [t for t in typing.get_args(hints[field.name]) if t is not types.NoneType]
+            value = ml_collections.config_dict.placeholder(kind)
+        section[field.name] = value
+    if values:
+        raise ValueError(f"train config: unknown field(s) {sorted(values)}")
+    return section
 
 
 def _fail(field: str, why: str) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pathlib
+
 import ml_collections
 import pytest
 
@@ -39,3 +42,50 @@ def test_from_config_dict():
 def test_impossible_values_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=f"'{field}'"):
         TrainConfig(**overrides)
+
+
+# A value other than the default for every field a config file's `train` section holds.
+_OVERRIDES = {
+    "mini_batches": 4, "micro_batch_size": 8, "length_buckets": (16, 64), "learning_rate": 3e-4,
+    "warmup_steps": 5, "schedule": "cosine", "decay_steps": 50, "min_learning_rate_ratio": 0.1,
+    "weight_decay": 0.01, "adam_b1": 0.8, "adam_b2": 0.99, "adam_eps": 1e-6,
+    "max_grad_norm": 0.5, "advantage": "rloo", "advantage_eps": 1e-5, "loss": "gspo",
+    "eps_low": 0.1, "eps_high": 0.3, "eps_neg_low": 0.3, "eps_neg_high": 3.0,
+    "eps_pos_high": 0.4, "tis_cap": 2.0, "kl_coef": 0.05, "aggregation": "seq_sum_over_const",
+    "t_max": 512, "mask_truncated": True,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config_file", ["default.py", "bench_longtail.py", "qwen3_gsm8k.py"])
+def test_every_trainer_field_can_be_set_from_the_command_line(config_file):
+    """ml_collections refuses an override of a key the config file lacks; every field the
+    README documents must reach the trainer's config from `--config.train.FIELD=VALUE`."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from dora_jax.rollout.config_lib import RolloutConfig, train_config
+    from dora_jax.train import config_lib
+
+    settable = [f.name for f in dataclasses.fields(TrainConfig)]
+    settable = [name for name in settable if name not in config_lib.ROLLOUT_FIELDS]
+    assert sorted(_OVERRIDES) == sorted(settable)
+    path = pathlib.Path(__file__).parents[2] / "configs" / config_file
+    argv = ["prog", f"--config={path}", *(f"--config.train.{k}={v}" for k, v in _OVERRIDES.items())]
+    values = flags.FlagValues()
+    # Overrides are found in the argv given when the flag is defined, as the CLI's sys.argv.
+    config_flags.DEFINE_config_file("config", None, flag_values=values, sys_argv=argv)
+    values(argv)
+    config = values.config
+    rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "seed": 0})
+    built = train_config(rollout, config.train)
+    for name, value in _OVERRIDES.items():
+        assert getattr(built, name) == value, name
+
+
+def test_a_config_section_refuses_the_rollouts_fields_and_unknown_ones():
+    from dora_jax.train import config_lib
+
+    with pytest.raises(ValueError, match="'tbs'.*rollout"):
+        config_lib.config_section(tbs=8)
+    with pytest.raises(ValueError, match="unknown field.*'tbz'"):
+        config_lib.config_section(tbz=8)
