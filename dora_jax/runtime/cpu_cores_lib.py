@@ -19,7 +19,9 @@ import os
 from collections.abc import Iterator
 
 
-def split(train_cores: int, field: str = "runtime.train_cpu_cores") -> tuple[frozenset[int], ...]:
+def split(
+    train_cores: int, field: str = "runtime.train_cpu_cores"
+) -> tuple[frozenset[int], frozenset[int]]:
     """(the trainer's cores, the rest) out of the cores this process may run on.
 
     The trainer takes the highest-numbered ones. Errors name `field`, the config entry to change.
