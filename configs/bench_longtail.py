@@ -10,6 +10,7 @@ measurements on the 2-core CPU machine (BENCHMARKS.md, "Rollout paradigms (CPU)"
 
 import ml_collections
 
+from dora_jax.rollout import config_lib as rollout_config_lib
 from dora_jax.runtime import compile_cache_lib
 from dora_jax.train import config_lib as train_config_lib
 
@@ -74,23 +75,25 @@ def get_config() -> ml_collections.ConfigDict:
     c.engine = ml_collections.ConfigDict()
     c.engine.slots = 16
 
-    c.rollout = ml_collections.ConfigDict()
-    c.rollout.train_batch_size = 64
     # RBS applies to dora and partial only; sync and one_step_off generate exactly their batch.
-    c.rollout.rollout_batch_size = 160
-    c.rollout.group_size = 4
     # K bounds how far a version's long tail may lag (dora and partial): a group is due K
     # iterations after its version, so a max_length response (160 decode steps) plus its wait
     # for a slot must fit in K iterations of ~publish_delay_steps (40) decode steps, or the
     # trainer waits for it. dora's schedule (logical, the same on any machine; the bench's
     # `instance_steps`): 5953 instance steps at K=3, 4562 at K=5, 4244 at K=6, 4102 at K=8;
     # at K=6 its 1464 decode steps are near the trainer's floor of 36 x 40 = 1440.
-    c.rollout.staleness_bound = 6
-    c.rollout.num_iterations = 36
-    c.rollout.timer_steps = 8
-    # About one training step (~0.12 s while decode competes) in decode steps (~3 ms), so the
-    # trainer's step overlaps decoding instead of the loop blocking on it.
-    c.rollout.publish_delay_steps = 40
+    # publish_delay_steps: about one training step (~0.12 s while decode competes) in decode
+    # steps (~3 ms), so the trainer's step overlaps decoding instead of the loop blocking on it.
+    c.rollout = rollout_config_lib.config_section(
+        train_batch_size=64,
+        rollout_batch_size=160,
+        group_size=4,
+        staleness_bound=6,
+        num_iterations=36,
+        timer_steps=8,
+        publish_delay_steps=40,
+    )
+    del c.rollout["mode"]  # `modes` picks each run's paradigm
 
     # Length-sorted micro-batches of 4 with fine buckets, for every mode alike: 29% padding
     # against 47% with micro-batches of 8 and buckets (16, 32, 64, 128, 192), and a TBS-64 step

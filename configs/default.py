@@ -8,6 +8,7 @@ warm-up on noisy demonstrations gives the policy a modest accuracy that RL then 
 
 import ml_collections
 
+from dora_jax.rollout import config_lib as rollout_config_lib
 from dora_jax.runtime import compile_cache_lib
 from dora_jax.train import config_lib as train_config_lib
 
@@ -90,16 +91,18 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.batch_size = 64
     c.sft.learning_rate = 3e-3
 
-    c.rollout = ml_collections.ConfigDict()
-    c.rollout.mode = "dora"
-    c.rollout.train_batch_size = 64
-    c.rollout.rollout_batch_size = 96
-    c.rollout.group_size = 8
-    c.rollout.staleness_bound = 2
-    c.rollout.num_iterations = 300
-    c.rollout.timer_steps = 16
-    c.rollout.kv_pressure = 0.9
-    c.rollout.publish_delay_steps = 4
+    # Every rollout field, at its default unless set here, so each one can be overridden.
+    c.rollout = rollout_config_lib.config_section(
+        mode="dora",
+        train_batch_size=64,
+        rollout_batch_size=96,
+        group_size=8,
+        staleness_bound=2,
+        num_iterations=300,
+        timer_steps=16,
+        kv_pressure=0.9,
+        publish_delay_steps=4,
+    )
 
     # Every trainer field, at its default unless set here, so each one can be overridden.
     c.train = train_config_lib.config_section(

@@ -11,7 +11,8 @@ functions, so a new policy version never recompiles anything; `version` tags eve
 every `ResultTokens`, which is how C1 (one version per trajectory) becomes checkable.
 
 Compilation is bounded: prefill pads prompts to a few length buckets and the prompt count to a
-power of two; generate, insert, export and free each compile once per engine.
+power of two; generate, insert, export and free each compile once per engine, and
+`generate_steps` once per step count.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from dora_jax.engine import sampling_lib
 from dora_jax.engine.request_lib import FinishReason, Request
 from dora_jax.engine.sampling_lib import SamplingParams
 from dora_jax.engine.slots_lib import (
+    RESULT_COLUMNS,
     DecodeState,
     ExportedSlot,
     PolicyParams,
     Prefix,
     ResultTokens,
     SlotState,
+    StepResults,
     unwrap_params,
 )
 from dora_jax.models import Functional, KVCache, Transformer, sharding_lib
@@ -223,6 +226,13 @@ class Engine:
         )
         self._generate_jit = jax.jit(
             lambda leaves, ds: self._generate_impl(self._unflatten(leaves), ds),
+            donate_argnums=(1,),
+            out_shardings=(self._decode_shardings, replicated, replicated),
+        )
+        # One program per step count (static): a while loop, so it compiles once per count.
+        self._generate_steps_jit = jax.jit(
+            lambda leaves, ds, steps: self._generate_steps_impl(self._unflatten(leaves), ds, steps),
+            static_argnums=(2,),
             donate_argnums=(1,),
             out_shardings=(self._decode_shardings, replicated, replicated),
         )
@@ -441,6 +451,20 @@ class Engine:
         _, version = unwrap_params(params)
         decode_state, data, log_probs = self._generate_jit(params.leaves, decode_state)
         return decode_state, ResultTokens(data, log_probs, version=version)
+
+    def generate_steps(
+        self, params: PolicyParams, decode_state: DecodeState, steps: int
+    ) -> tuple[DecodeState, StepResults]:
+        """`steps` decode steps as one program: the same tokens as `steps` calls of `generate`,
+        for one dispatch and one read-back (vLLM's multi-step scheduling). The per-call cost
+        is the host's, so on a small model or a busy host it is most of a step's; the price is
+        that a finished slot can only be refilled after the last step. Stops early once no slot
+        is decoding; consumes (donates) `decode_state`."""
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a positive integer, got {steps!r}")
+        _, version = unwrap_params(params)
+        decode_state, data, log_probs = self._generate_steps_jit(params.leaves, decode_state, steps)
+        return decode_state, StepResults(data, log_probs, version=version)
 
     # ---- migration ------------------------------------------------------------------------
 
@@ -717,6 +741,22 @@ class Engine:
         )
         log_prob = jnp.where(step, log_prob, 0.0)
         return new, *_pack(token, step, generated, finish, ds.version, log_prob)
+
+    def _generate_steps_impl(self, state, ds: SlotState, steps: int):
+        data = jnp.zeros((steps, self._slots, len(RESULT_COLUMNS)), jnp.int32)
+        log_probs = jnp.zeros((steps, self._slots, 1), jnp.float32)
+
+        def more(carry):
+            step, ds, _, _ = carry
+            return (step < steps) & jnp.any(ds.active)
+
+        def decode(carry):
+            step, ds, data, log_probs = carry
+            ds, tokens, token_log_probs = self._generate_impl(state, ds)
+            return step + 1, ds, data.at[step].set(tokens), log_probs.at[step].set(token_log_probs)
+
+        _, ds, data, log_probs = jax.lax.while_loop(more, decode, (0, ds, data, log_probs))
+        return ds, data, log_probs
 
     def _insert_impl(self, ds: SlotState, rows: SlotState, index):
         length = rows.cache.k[0].shape[2]

@@ -1,4 +1,5 @@
-"""The engine's device-side state and results: `PolicyParams`, `SlotState`, `ResultTokens`.
+"""The engine's device-side state and results: `PolicyParams`, `SlotState`, `ResultTokens`
+(one step's tokens) and `StepResults` (several steps').
 
 A decode state, a prefill result (`Prefix`) and an exported slot (`ExportedSlot`) are all a
 `SlotState` (one row per slot, prompt or migrated request), which is why insert and import are
@@ -98,7 +99,7 @@ class SlotData(NamedTuple):
     version: np.ndarray  # [samples]: the version that prefilled the slot
 
 
-_COLUMNS = ("token", "valid", "length", "finish_reason", "version")
+RESULT_COLUMNS = ("token", "valid", "length", "finish_reason", "version")
 
 
 @struct.dataclass
@@ -160,3 +161,30 @@ class ResultTokens:
     @property
     def slot_versions(self):
         return self.data[:, self.version_idx[0]]
+
+
+@struct.dataclass
+class StepResults:
+    """The tokens of several decode steps run as one program (`Engine.generate_steps`).
+
+    `data` is int32 [steps, rows, columns] and `log_probs` float32 [steps, rows, 1], each step in
+    `ResultTokens`' layout, so the whole call is two device-to-host copies.
+    `convert_to_numpy` gives one host-side `ResultTokens` per step: a row is valid where its
+    slot decoded at that step, and a step the program did not run (every slot had finished)
+    has no valid row.
+    """
+
+    data: Any
+    log_probs: Any
+    version: int = struct.field(pytree_node=False, default=0)
+
+    def copy_to_host_async(self) -> None:
+        for x in (self.data, self.log_probs):
+            if isinstance(x, jax.Array):
+                x.copy_to_host_async()
+
+    def convert_to_numpy(self) -> list[ResultTokens]:
+        data, log_probs = np.asarray(self.data), np.asarray(self.log_probs)
+        return [
+            ResultTokens(d, lp, version=self.version) for d, lp in zip(data, log_probs, strict=True)
+        ]

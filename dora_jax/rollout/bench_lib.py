@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -80,10 +80,11 @@ def workload(config: ml_collections.ConfigDict, seed: int, iterations: int) -> F
     return FinitePrompts(source, iterations * (r.train_batch_size // r.group_size))
 
 
-def precompile_engines(engines: list[Engine]) -> None:
+def precompile_engines(engines: list[Engine], decode_steps: Iterable[int]) -> None:
     """Compiles what a short warm-up run may miss: every prefill bucket and batch size of every
     engine (admission prefills a turn's requests together; the partial paradigm re-prefills
-    prompt + generated tokens, any length) and every slot move."""
+    prompt + generated tokens, any length), a decode call of each of `decode_steps` steps and
+    every slot move."""
     for engine in engines:
         params = engine.load_params()
         # A prefill's rows are padded to a power of two, so these request counts give every
@@ -104,8 +105,9 @@ def precompile_engines(engines: list[Engine]) -> None:
         # import), free.
         request = EngineRequest(prompt_tokens=[1], max_new_tokens=2, seed=0, id=(-1, 0))
         state, _ = engine.admit(params, engine.init_decode_state(), [request], [0])
-        state, result = engine.generate(params, state)
-        result.convert_to_numpy()
+        for steps in sorted(set(decode_steps)):
+            state, result = engine.generate_steps(params, state, steps)
+            result.convert_to_numpy()
         exported = engine.export_slot(state, 0)
         state = engine.free_slot(state, 0)
         state = engine.import_slot(state, 1, exported)
@@ -301,7 +303,7 @@ def _run_bench(
     # The same initialisation for every mode; each trainer owns its copy (its steps donate it).
     model_config = models.ModelConfig(**config.model.to_dict())
     engines = _engines(config, models.create(model_config, seed=config.seed), plan)
-    precompile_engines(engines)
+    precompile_engines(engines, (c.decode_steps_per_turn for c in configs.values()))
     setups = {}
     with contextlib.ExitStack() as trainer_processes:
         for mode, rollout_config in configs.items():

@@ -5,7 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import ml_collections
+
 from dora_jax.train.config_lib import TrainConfig
+
+# Set once for the whole run, as the config's top-level `seed`.
+RUN_FIELDS = ("seed",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +26,10 @@ class RolloutConfig:
     # Decode steps between the start of a training step and the use of its new version: the
     # logical time the trainer is given, so decisions never depend on wall-clock races.
     publish_delay_steps: int = 4
+    # Decode steps each instance runs per engine call (a turn of the loop): more amortise the
+    # controller's per-call cost (vLLM's multi-step scheduling), but a finished request's slot
+    # is refilled, and a new version taken up, only between calls.
+    decode_steps_per_turn: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -39,6 +48,7 @@ class RolloutConfig:
             "group_size",
             "num_iterations",
             "timer_steps",
+            "decode_steps_per_turn",
         ):
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
                 raise bad(field, "must be a positive integer")
@@ -69,6 +79,22 @@ class RolloutConfig:
     @property
     def groups_per_batch(self) -> int:
         return self.train_batch_size // self.group_size
+
+
+def config_section(**values: Any) -> ml_collections.ConfigDict:
+    """A config file's `rollout` section: every field a user may set, at its default unless
+    given here, so that each one can be overridden from the command line (ml_collections
+    refuses `--config.rollout.FIELD=...` for a key the file's config lacks)."""
+    section = ml_collections.ConfigDict()
+    for field in dataclasses.fields(RolloutConfig):
+        if field.name in RUN_FIELDS:
+            if field.name in values:
+                raise ValueError(f"rollout.{field.name}: set it once, as the config's {field.name}")
+            continue
+        section[field.name] = values.pop(field.name, field.default)
+    if values:
+        raise ValueError(f"rollout: unknown field(s) {sorted(values)}")
+    return section
 
 
 def train_config(rollout: RolloutConfig, train: Any) -> TrainConfig:

@@ -2,14 +2,14 @@
 
 The instance holds a real copy of its version's params on its own devices; loading another
 version replaces (and so frees) it. It drives the engine through `admit` (a batched prefill
-straight into free slots) and JetStream's `generate`, plus the slot moves DORA needs
-(`export_slot`, `import_slot`, `free_slot`); params are the engine's `PolicyParams` (state +
-version), moved onto the engine's `param_shardings` by `runtime.transfer_lib`, and each token's
-version is the engine's tag on its result. `dispatch_prefill` and `dispatch_generate` only
-enqueue work (JAX async dispatch) and one `collect` reads it all back, so the controller starts
-every instance's admissions and decode step before it reads any token: that is where
-generation meshes overlap with each other and with the trainer, and a turn that admits requests
-costs no extra host round trip.
+straight into free slots) and `generate_steps` (a turn's decode steps as one call), plus the
+slot moves DORA needs (`export_slot`, `import_slot`, `free_slot`); params are the engine's
+`PolicyParams` (state + version), moved onto the engine's `param_shardings` by
+`runtime.transfer_lib`, and each token's version is the engine's tag on its result.
+`dispatch_prefill` and `dispatch_generate` only enqueue work (JAX async dispatch) and one
+`collect` reads it all back, so the controller starts every instance's admissions and decode
+steps before it reads any token: that is where generation meshes overlap with each other and
+with the trainer, and a turn that admits requests costs no extra host round trip.
 """
 
 from __future__ import annotations
@@ -119,23 +119,29 @@ class RolloutInstance:
         for request, slot in starts:
             self.slots[slot] = request
 
-    def dispatch_generate(self) -> None:
-        """Enqueues one decode step for every slot (does not wait for it)."""
-        self.decode_state, self._pending_result = self.engine.generate(
-            self.params, self.decode_state
+    def dispatch_generate(self, steps: int) -> None:
+        """Enqueues `steps` decode steps for every slot as one engine call (does not wait)."""
+        self.decode_state, self._pending_result = self.engine.generate_steps(
+            self.params, self.decode_state, steps
         )
 
-    def collect(self) -> list[Request]:
+    def collect(self) -> tuple[list[Request], list[int]]:
         """Reads back what was enqueued since the last collect, in order: the admissions' first
-        tokens, then the decode step's tokens. Returns the requests that finished (slots
-        freed; one that finished with its first token was never left decoding by the engine)."""
+        tokens, then each decode step's tokens. Returns the requests that finished (slots
+        freed; one that finished with its first token was never left decoding by the engine)
+        and how many slots decoded at each step the engine ran."""
         finished = self._collect_admissions()
-        result, self._pending_result = self._pending_result, None
-        result = result.convert_to_numpy()
-        rows = read_rows(result)
-        for slot in self.active():
-            self._record(slot, rows[slot], result.version, finished)
-        return finished
+        results, self._pending_result = self._pending_result.convert_to_numpy(), None
+        busy_per_step = []
+        for result in results:
+            active = self.active()
+            if not active:  # every request finished: the engine stopped there too
+                break
+            busy_per_step.append(len(active))
+            rows = read_rows(result)
+            for slot in active:
+                self._record(slot, rows[slot], result.version, finished)
+        return finished, busy_per_step
 
     def _collect_admissions(self) -> list[Request]:
         pending, self._pending_prefill = self._pending_prefill, []

@@ -1,10 +1,11 @@
 """The rollout loop shared by every paradigm: logical decode steps, the trainer, the ledger.
 
-Time is logical. Each loop turn is one decode step on every busy instance; the trainer's step
-runs on a worker thread and its new version is taken up `publish_delay_steps` decode steps
-later (or at once if rollout has nothing left to do), so every decision depends on step counts,
+Time is logical, counted in decode steps. Each loop turn runs `decode_steps_per_turn` decode
+steps on every busy instance (one engine call each); the trainer's step runs on a worker thread
+and its new version is taken up at the first turn `publish_delay_steps` decode steps later (or
+at once if rollout has nothing left to do), so every decision depends on step counts,
 completions and versions only and the same config and seed give the same ledger. The wall-clock
-overlap comes from JAX's asynchronous dispatch: every instance's decode step is enqueued before
+overlap comes from JAX's asynchronous dispatch: every instance's decode steps are enqueued before
 any token is read back, and the trainer computes on its own mesh meanwhile.
 
 The paradigm (`paradigms_lib`) decides what to dispatch and which instance hosts which version;
@@ -87,7 +88,8 @@ class Rollout:
         self.staged: dict[int, Any] = {
             0: transfer_lib.put(trainer.params, _staging(self.instances[0]), copy=True).tree
         }
-        self.tick = 0
+        self.tick = 0  # decode steps so far
+        self._timer_tick = 0  # when the orchestrator's timer fires next
         self.selected = 0  # batches handed to the trainer
         self.next_prompt = 0
         self.pending: dict[int, collections.deque[Request]] = collections.defaultdict(
@@ -134,8 +136,10 @@ class Rollout:
             self._try_train()
         if self.selected < self.config.num_iterations and not self._draining:
             self.paradigm.top_up(self)
-        if self.tick % self.config.timer_steps == 0:
+        if self.tick >= self._timer_tick:
             triggers.add("timer")
+            steps = self.config.timer_steps
+            self._timer_tick = (self.tick // steps + 1) * steps
         if any(x.kv_tokens() > self.config.kv_pressure * _kv_capacity(x) for x in self.healthy()):
             triggers.add("kv_pressure")
         if any(not x.active() for x in self.healthy()) and self.outstanding():
@@ -146,8 +150,7 @@ class Rollout:
             self.paradigm.fill_spare(self)
         self._admit()
         if any(x.active() for x in self.healthy()):
-            self._decode()
-            self.tick += 1
+            self.tick += max(self._decode(), 1)
             return
         if self._training is not None:
             self._publish_tick = self.tick  # nothing to decode: take the new version now
@@ -222,23 +225,23 @@ class Rollout:
             self.telemetry.counters["prefills"] += len(starts)
             self.totals["prefills"] += len(starts)
 
-    def _decode(self) -> None:
-        """One step on every instance with a busy slot: every admission and decode step is
-        enqueued before anything is read back."""
+    def _decode(self) -> int:
+        """A turn's decode steps on every instance with a busy slot: every admission and
+        decode call is enqueued before anything is read back. Returns the steps it ran."""
         t0 = self.trace.now_us()
-        busy = [len(x.active()) if x.healthy else 0 for x in self.instances]
+        busy: list[list[int]] = [[] for _ in self.instances]  # per instance, per step run
         stepping = [x for x in self.healthy() if x.active()]
         failed = []
         for x in stepping:
             try:
-                x.dispatch_generate()
+                x.dispatch_generate(self.config.decode_steps_per_turn)
             except Exception:  # noqa: BLE001 - any engine error takes the instance out
                 failed.append(x)
         for x in stepping:
             if x in failed:
                 continue
             try:
-                finished = x.collect()
+                finished, busy[x.index] = x.collect()
             except Exception:  # noqa: BLE001
                 failed.append(x)
                 continue
@@ -252,9 +255,10 @@ class Rollout:
             self.telemetry.state(x.name, f"{label} v{x.version}", t0, version=x.version)
         self._admitting.clear()
         lags = [self.window.newest - x.version if busy[x.index] else 0 for x in self.instances]
-        self.telemetry.decode_step(busy, (now - t0) / 1e6, lags)
+        self.telemetry.decode_turn(busy, (now - t0) / 1e6, lags)
         for x in failed:
             self._fail(x)
+        return max(map(len, busy))
 
     def _finish(self, request: Request) -> None:
         traj = request.to_trajectory(
@@ -431,6 +435,7 @@ class Rollout:
             raise RuntimeError("rollout state is only complete at a checkpoint barrier")
         return {
             "tick": self.tick,
+            "timer_tick": self._timer_tick,
             "selected": self.selected,
             "newest": self.window.newest,
             "next_prompt": self.next_prompt,
@@ -447,6 +452,7 @@ class Rollout:
                 f"rollout state is at version {state['newest']}"
             )
         self.tick = state["tick"]
+        self._timer_tick = state["timer_tick"]
         self.selected = state["selected"]
         self.window.newest = state["newest"]
         self.next_prompt = state["next_prompt"]

@@ -75,21 +75,25 @@ class Telemetry:
 
     # -- occupancy ------------------------------------------------------------------------
 
-    def decode_step(self, busy_slots: list[int], seconds: float, lags: list[int]) -> None:
-        """One decode step: `busy_slots[i]` requests decoded on instance i, which hosts a
-        version `lags[i]` behind the newest published one."""
+    def decode_turn(self, busy_per_step: list[list[int]], seconds: float, lags: list[int]) -> None:
+        """One turn of decoding that took `seconds`: instance i ran `len(busy_per_step[i])`
+        decode steps (none: it was idle), with `busy_per_step[i][j]` requests decoding at step
+        j, hosting a version `lags[i]` behind the newest published one. The turn's time is
+        shared evenly by its longest run of steps."""
         # Logical counts beside the timings: the same on any machine for the same config and
         # seed, so modes compare without the noise of a shared host. An instance's step costs
         # about the same however many of its slots are busy, so instance steps are the decode
         # cost of a schedule; split by lag they show where a multi-version schedule spends it
         # (old versions' long tails decoding on instances of their own).
-        self.counters["decode_steps"] += 1
-        self.counters["instance_steps"] += sum(1 for busy in busy_slots if busy)
-        for i, busy in enumerate(busy_slots):
-            self.busy_slot_time[i] += busy * seconds
-            self.busy_time[i] += seconds if busy else 0.0
-            if busy:
-                lag = lag_label(lags[i])
+        steps = max(map(len, busy_per_step), default=0)
+        step_seconds = seconds / max(steps, 1)
+        self.counters["decode_steps"] += steps
+        self.counters["instance_steps"] += sum(map(len, busy_per_step))
+        for i, busy_steps in enumerate(busy_per_step):
+            lag = lag_label(lags[i])
+            for busy in busy_steps:
+                self.busy_slot_time[i] += busy * step_seconds
+                self.busy_time[i] += step_seconds
                 self.counters[f"instance_steps/{lag}"] += 1
                 self.counters[f"slot_steps/{lag}"] += self.num_slots[i]
                 self.counters[f"busy_slot_steps/{lag}"] += busy

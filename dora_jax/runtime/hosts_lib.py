@@ -5,7 +5,7 @@ through host-side queues. Here the controller (orchestrator + trainer) keeps eve
 each generation host runs one `Engine` on its own devices; `RemoteEngine` is that engine as the
 controller sees it, with the engine's interface, so the rollout instance, the orchestrator and
 every paradigm run unchanged whether an engine is local or not. Commands go out in order over
-one connection and are answered in order: `admit` and `generate` return at once, like JAX's
+one connection and are answered in order: `admit` and `generate_steps` return at once, like JAX's
 asynchronous dispatch, and their tokens are read when the instance collects, so every host
 decodes while the controller moves on. The decode state, the params and exported slots stay on
 the host; the controller holds handles. Weights arrive as host arrays through
@@ -154,9 +154,9 @@ def _admit(engine, held, params, version, state, new_state, requests, slots):
     return result.convert_to_numpy()
 
 
-def _generate(engine, held, params, version, state, new_state):
+def _generate_steps(engine, held, params, version, state, new_state, steps):
     policy = _policy(engine, held, params, version)
-    held[new_state], result = engine.generate(policy, held.pop(state))
+    held[new_state], result = engine.generate_steps(policy, held.pop(state), steps)
     return result.convert_to_numpy()
 
 
@@ -184,7 +184,7 @@ _HANDLERS = {
     "fetch": _fetch,
     "init": _init,
     "admit": _admit,
-    "generate": _generate,
+    "generate_steps": _generate_steps,
     "free": _free,
     "export": _export,
     "import": _import,
@@ -223,7 +223,7 @@ class RemoteTarget:
 
 
 class PendingResult:
-    """An `admit` or `generate` result not read yet; `convert_to_numpy` waits for it."""
+    """An `admit` or `generate_steps` result not read yet; `convert_to_numpy` waits for it."""
 
     def __init__(self, engine: RemoteEngine, ticket: int):
         self.engine = engine
@@ -347,9 +347,13 @@ class RemoteEngine:
         )  # fmt: skip
         return new, PendingResult(self, ticket)
 
-    def generate(self, params: Any, state: HostHandle) -> tuple[HostHandle, PendingResult]:
+    def generate_steps(
+        self, params: Any, state: HostHandle, steps: int
+    ) -> tuple[HostHandle, PendingResult]:
         new = self._handle(owned=False)
-        ticket = self.send("generate", params.state.key, params.version, state.key, new.key)
+        ticket = self.send(
+            "generate_steps", params.state.key, params.version, state.key, new.key, steps
+        )
         return new, PendingResult(self, ticket)
 
     def free_slot(self, state: HostHandle, slot: int) -> HostHandle:

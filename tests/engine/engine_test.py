@@ -407,6 +407,44 @@ def test_admit_equals_prefill_then_insert_and_refuses_busy_slots(dense):
         engine.admit(params, ds, new[:2], [2])
 
 
+def test_generate_steps_matches_repeated_generate(dense):
+    """Several decode steps as one program yield, step by step, the tokens, log-probs, lengths
+    and finish reasons of as many `generate` calls, requests finishing part-way included; once
+    every slot has finished the program stops and the steps it skipped have no valid row."""
+    engine, params = dense.engine, dense.params
+    sampling = SamplingParams(temperature=1.0)
+    requests = [
+        Request([1, 2, 3], sampling, max_new_tokens=n, ignore_eos=True, seed=20 + n)
+        for n in (2, 4, 7)
+    ]
+
+    def admitted():
+        ds, _ = engine.admit(params, engine.init_decode_state(), requests, [0, 1, 3])
+        return ds
+
+    ds, reference = admitted(), admitted()
+    for steps in (3, 1, 5):  # 3 steps: the 2-token request finishes at the first
+        ds, results = engine.generate_steps(params, ds, steps)
+        results = results.convert_to_numpy()
+        assert len(results) == steps
+        for got in results:
+            reference, want = engine.generate(params, reference)
+            want = want.convert_to_numpy()
+            assert got.version == want.version == params.version
+            if want.valid.any():
+                np.testing.assert_array_equal(got.data, want.data)
+                np.testing.assert_allclose(got.log_probs, want.log_probs, atol=1e-6)
+            else:  # a step the program skipped: nothing decoded in `generate` either
+                assert not got.valid.any()
+    # The 7-token request (its first token came with the admission) finished at the 6th decode
+    # step of 9, the last call's second: no valid row after it.
+    assert [r.valid.any() for r in results] == [True, True, False, False, False]
+    assert results[1].finish_reasons[3] == FinishReason.LENGTH
+    assert engine.active_slots(ds).tolist() == [False] * 4
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        engine.generate_steps(params, ds, 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Versions, JetStream-shaped results, bounded compilation
 # ---------------------------------------------------------------------------------------------

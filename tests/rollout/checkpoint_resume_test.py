@@ -23,10 +23,11 @@ from dora_jax.rollout import audit_lib
     every=st.integers(1, 3),
     pick=st.integers(0, 10),
     slots=st.integers(2, 5),
+    steps_per_turn=st.sampled_from([1, 2, 4]),
     seed=st.integers(0, 1000),
 )
 def test_resumed_run_writes_the_uninterrupted_ledger(
-    tmp_path_factory, mode, every, pick, slots, seed
+    tmp_path_factory, mode, every, pick, slots, steps_per_turn, seed
 ):
     config = dict(
         mode=mode,
@@ -37,6 +38,7 @@ def test_resumed_run_writes_the_uninterrupted_ledger(
         num_iterations=6,
         timer_steps=3,
         publish_delay_steps=2,
+        decode_steps_per_turn=steps_per_turn,
         seed=seed,
         slots=slots,
     )

@@ -1,13 +1,14 @@
 """Cheap test doubles for the engine and trainer that honour their contracts.
 
 `EngineDouble` has `dora_jax.engine.Engine`'s interface and semantics (batched `prefill_requests`
-and `admit`, JetStream's `insert` / `generate`, `param_shardings` and `shard_params` giving
-`PolicyParams`, `free_slot`, `export_slot`, `import_slot`, `ResultTokens` with per-slot finish
-reasons and behaviour log-probs): fixed slots, one token per busy slot per decode step, per-request
-forced length (`max_new_tokens` with `ignore_eos`), inserting into a busy slot is an error, a
-finished slot stops by itself. Its tokens are a pure function of (seed, token index) like the real
-sampler's PRNG keys, and each log-prob encodes the version stored *in the weights it was given*, so
-tests recover which version sampled every token without trusting anybody's bookkeeping.
+and `admit`, JetStream's `insert` / `generate`, `generate_steps`, `param_shardings` and
+`shard_params` giving `PolicyParams`, `free_slot`, `export_slot`, `import_slot`, `ResultTokens`
+with per-slot finish reasons and behaviour log-probs): fixed slots, one token per busy slot per
+decode step, per-request forced length (`max_new_tokens` with `ignore_eos`), inserting into a
+busy slot is an error, a finished slot stops by itself. Its tokens are a pure function of (seed,
+token index) like the real sampler's PRNG keys, and each log-prob encodes the version stored *in
+the weights it was given*, so tests recover which version sampled every token without trusting
+anybody's bookkeeping.
 
 `TrainerDouble` counts versions and checks each batch like the real trainer's contract
 (exactly TBS samples in complete groups, staleness within K).
@@ -70,6 +71,20 @@ class ResultTokens:
     @property
     def finish_reasons(self) -> np.ndarray:  # the engine's whole-batch view
         return self.finish
+
+
+@dataclasses.dataclass
+class StepResults:
+    """The steps one `generate_steps` call ran (the engine's pads skipped steps with rows that
+    are not valid; a rollout stops reading at the first step with no busy slot either way)."""
+
+    steps: list[ResultTokens]
+
+    def copy_to_host_async(self) -> None:
+        pass  # already on the host
+
+    def convert_to_numpy(self) -> list[ResultTokens]:
+        return self.steps
 
 
 _FIELDS = ("active", "seed", "index", "remaining", "ignore_eos", "version", "kv")
@@ -233,6 +248,16 @@ class EngineDouble:
             params.version,
         )
         return state, result
+
+    def generate_steps(self, params: PolicyParams, decode_state: dict, steps: int):
+        """`steps` calls of `generate`, stopping once no slot decodes, as the engine's program."""
+        results = []
+        for _ in range(steps):
+            if not decode_state["active"].any():
+                break
+            decode_state, result = self.generate(params, decode_state)
+            results.append(result)
+        return decode_state, StepResults(results)
 
     def free_slot(self, decode_state: dict, slot: int | list[int]) -> dict:
         state = {k: v.copy() for k, v in decode_state.items()}

@@ -37,6 +37,7 @@ def setups(draw, modes=MODES):
         num_iterations=draw(st.integers(2, 4)),
         timer_steps=draw(st.integers(1, 12)),
         publish_delay_steps=draw(st.integers(0, 6)),
+        decode_steps_per_turn=draw(st.sampled_from([1, 1, 2, 4])),
         median_length=draw(st.integers(2, 10)),
         seed=draw(st.integers(0, 1000)),
     )
