@@ -104,7 +104,6 @@ class Rollout:
         self._admitting: set[int] = set()  # instances with admissions enqueued this turn
         self._publish_tick = 0
         self._last_publish_us = self.trace.now_us()
-        self._trainer_busy_s = 0.0
         if resume is not None:
             self._load_state(resume)
 
@@ -349,20 +348,27 @@ class Rollout:
             self.totals["trained"] += 1
         self.selected += 1
         start = self.trace.now_us()
-        future = self._executor.submit(self._train_step, batch)
+        # The new version waits where loading it costs least: the least busy instance now.
+        target = min(self.healthy(), key=lambda x: (len(x.active()), x.index))
+        future = self._executor.submit(self._train_step, batch, _staging(target))
         self._training = (future, batch, start)
         self._publish_tick = self.tick + self.config.publish_delay_steps
         self._retire()
 
-    def _train_step(self, batch: list[Trajectory]) -> tuple[dict[str, float], float, float]:
+    def _train_step(
+        self, batch: list[Trajectory], staging: Any
+    ) -> tuple[dict[str, float], float, float, Any]:
+        """The trainer's step, then its new version's copy for the instances, back to back on
+        the worker while the controller decodes; `_publish` takes the version up later."""
         t0 = self.trace.now_us()
         metrics = self.trainer.step(batch)
-        return metrics, t0, self.trace.now_us()
+        t1 = self.trace.now_us()
+        return metrics, t0, t1, self.trainer.publish(staging)
 
     def _publish(self) -> None:
         future, batch, _ = self._training
         wait0 = time.perf_counter()
-        train_metrics, t0, t1 = future.result()
+        train_metrics, t0, t1, published = future.result()
         waited = time.perf_counter() - wait0
         # No instance decodes while the controller waits, busy slots or not: a bubble for all.
         self.telemetry.idle_wait(waited)
@@ -373,9 +379,6 @@ class Rollout:
             t1,
             version=self.trainer.version,
         )
-        self._trainer_busy_s += (t1 - t0) / 1e6
-        target = min(self.healthy(), key=lambda x: (len(x.active()), x.index))
-        published = self.trainer.publish(_staging(target))
         self.staged[published.version] = published.params
         self.window.newest = published.version
         self._training = None
