@@ -1,10 +1,13 @@
 """The rollout loop shared by every paradigm: logical decode steps, the trainer, the ledger.
 
 Time is logical, counted in decode steps. Each loop turn runs `decode_steps_per_turn` decode
-steps on every busy instance (one engine call each); the trainer's step runs on a worker thread
-and its new version is taken up at the first turn `publish_delay_steps` decode steps later (or
-at once if rollout has nothing left to do), so every decision depends on step counts,
-completions and versions only and the same config and seed give the same ledger. The wall-clock
+steps on every busy instance (one engine call each); the trainer's steps run on a worker thread
+and each new version is taken up at the first turn `publish_delay_steps` decode steps after its
+step was handed over, or after the previous version was taken up if that was later (or at once
+if rollout has nothing left to do), so every decision depends on step counts, completions and
+versions only and the same config and seed give the same ledger. The trainer holds up to
+`TRAINER_QUEUE` batches, so it starts its next step as soon as one ends rather than when the
+controller next takes a version up. The wall-clock
 overlap comes from JAX's asynchronous dispatch: every instance's decode steps are enqueued before
 any token is read back, and the trainer computes on its own mesh meanwhile.
 
@@ -20,7 +23,7 @@ import concurrent.futures
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -35,6 +38,20 @@ from dora_jax.rollout.trajectory_lib import Trajectory
 from dora_jax.rollout.window_lib import VersionWindow
 from dora_jax.runtime import transfer_lib
 from dora_jax.runtime.hosts_lib import RemoteTarget
+
+# Batches handed to the trainer and not yet taken up as versions, at most: the one it trains
+# and the next, so that it never idles between steps while a complete batch waits. Safe for
+# every rule: a batch is selected for the iteration it will train (C3 is checked against that
+# iteration), and the window admits new work against the batches selected, not the versions
+# published.
+TRAINER_QUEUE = 2
+
+
+class _TrainingJob(NamedTuple):
+    future: concurrent.futures.Future
+    batch: list[Trajectory]
+    iteration: int
+    handed_tick: int  # when the batch was handed to the trainer
 
 
 class Rollout:
@@ -100,9 +117,10 @@ class Rollout:
         self.totals: collections.Counter[str] = collections.Counter()
         self.metrics: list[dict[str, float]] = []
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
-        self._training: tuple[concurrent.futures.Future, list[Trajectory], float] | None = None
+        self._jobs: collections.deque[_TrainingJob] = collections.deque()  # oldest first
         self._admitting: set[int] = set()  # instances with admissions enqueued this turn
-        self._publish_tick = 0
+        self._last_publish_tick = 0
+        self._publish_now = False  # nothing left to decode: take the next version up at once
         self._last_publish_us = self.trace.now_us()
         if resume is not None:
             self._load_state(resume)
@@ -122,7 +140,7 @@ class Rollout:
     def _turn(self) -> None:
         progress = (self.totals["prefills"], self.selected)
         triggers: set[str] = set()
-        if self._training is not None and self.tick >= self._publish_tick:
+        if self._jobs and (self._publish_now or self.tick >= self._publish_tick()):
             self._publish()
             if self.window.newest >= self.config.num_iterations:
                 return
@@ -131,8 +149,7 @@ class Rollout:
             self._draining = bool(every) and self.window.newest % every == 0
         if self._draining and not self.outstanding():
             self._checkpoint()
-        if self._training is None:
-            self._try_train()
+        self._try_train()
         if self.selected < self.config.num_iterations and not self._draining:
             self.paradigm.top_up(self)
         if self.tick >= self._timer_tick:
@@ -151,8 +168,8 @@ class Rollout:
         if any(x.active() for x in self.healthy()):
             self.tick += max(self._decode(), 1)
             return
-        if self._training is not None:
-            self._publish_tick = self.tick  # nothing to decode: take the new version now
+        if self._jobs:
+            self._publish_now = True
         elif progress == (self.totals["prefills"], self.selected):
             raise RuntimeError(
                 f"rollout stalled at step {self.tick}: {self.selected} batches selected, "
@@ -334,59 +351,69 @@ class Rollout:
     # -- trainer ------------------------------------------------------------------------------
 
     def _try_train(self) -> None:
+        """Hands the trainer the next iteration's batch once one is complete, while its queue
+        has room. The iteration that ends at a checkpoint's version waits for the barrier."""
+        if len(self._jobs) >= TRAINER_QUEUE:
+            return
         if self.selected >= self.config.num_iterations or self._draining:
             return
+        every = self.checkpoint_every
+        if self._jobs and every and self.selected % every == 0:
+            return  # the barrier at version `selected` needs the trainer there, idle
         batch = self.queue.select_batch(self.selected)
         if batch is None:
             return
-        if self.trainer.version != self.selected:
-            raise RuntimeError(
-                f"trainer at version {self.trainer.version}, expected {self.selected}"
-            )
         for traj in batch:
-            self.ledger.train(traj, iteration=self.selected, trainer_version=self.trainer.version)
+            self.ledger.train(traj, iteration=self.selected, trainer_version=self.selected)
             self.totals["trained"] += 1
-        self.selected += 1
-        start = self.trace.now_us()
         # The new version waits where loading it costs least: the least busy instance now.
         target = min(self.healthy(), key=lambda x: (len(x.active()), x.index))
-        future = self._executor.submit(self._train_step, batch, _staging(target))
-        self._training = (future, batch, start)
-        self._publish_tick = self.tick + self.config.publish_delay_steps
+        future = self._executor.submit(self._train_step, batch, self.selected, _staging(target))
+        self._jobs.append(_TrainingJob(future, batch, self.selected, self.tick))
+        self.selected += 1
         self._retire()
 
+    def _publish_tick(self) -> int:
+        """When the oldest batch's version is due: `publish_delay_steps` after the later of its
+        hand-over and the previous version's take-up (the trainer's steps are sequential)."""
+        job = self._jobs[0]
+        return max(job.handed_tick, self._last_publish_tick) + self.config.publish_delay_steps
+
     def _train_step(
-        self, batch: list[Trajectory], staging: Any
+        self, batch: list[Trajectory], iteration: int, staging: Any
     ) -> tuple[dict[str, float], float, float, Any]:
         """The trainer's step, then its new version's copy for the instances, back to back on
         the worker while the controller decodes; `_publish` takes the version up later."""
+        if self.trainer.version != iteration:
+            raise RuntimeError(f"trainer at version {self.trainer.version}, expected {iteration}")
         t0 = self.trace.now_us()
         metrics = self.trainer.step(batch)
         t1 = self.trace.now_us()
         return metrics, t0, t1, self.trainer.publish(staging)
 
     def _publish(self) -> None:
-        future, batch, _ = self._training
+        job = self._jobs.popleft()
         wait0 = time.perf_counter()
-        train_metrics, t0, t1, published = future.result()
+        train_metrics, t0, t1, published = job.future.result()
         waited = time.perf_counter() - wait0
         # No instance decodes while the controller waits, busy slots or not: a bubble for all.
         self.telemetry.idle_wait(waited)
         self.trace.span(
             TRAINER_TRACK,
-            f"train iteration {self.selected - 1}",
+            f"train iteration {job.iteration}",
             t0,
             t1,
-            version=self.trainer.version,
+            version=job.iteration,
         )
         self.staged[published.version] = published.params
         self.window.newest = published.version
-        self._training = None
+        self._last_publish_tick = self.tick
+        self._publish_now = False
         self._retire()
         now = self.trace.now_us()
         interval = (now - self._last_publish_us) / 1e6
         m = self.telemetry.iteration_metrics()
-        tokens = sum(len(t.prompt_tokens) + len(t.response_tokens) for t in batch)
+        tokens = sum(len(t.prompt_tokens) + len(t.response_tokens) for t in job.batch)
         m.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
         m.update(
             iteration=float(published.version - 1),
@@ -434,7 +461,7 @@ class Rollout:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able rollout state at a barrier (nothing in flight, nothing pending)."""
-        if self.outstanding() or self._training is not None:
+        if self.outstanding() or self._jobs:
             raise RuntimeError("rollout state is only complete at a checkpoint barrier")
         return {
             "tick": self.tick,

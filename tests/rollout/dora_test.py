@@ -8,7 +8,7 @@ import json
 
 from rollout_harness import make_rollout
 
-from dora_jax.rollout import audit_lib
+from dora_jax.rollout import audit_lib, ledger_lib, runner_lib
 
 
 def _spans_by_instance(workdir):
@@ -117,3 +117,37 @@ def test_unstarted_work_of_an_unhosted_version_moves_to_the_newest(tmp_path):
     assert all(r.version == 2 and not r.started for r in rollout.pending[2])
     assert rollout.queue.due_by_deadline() == {0 + k: 1, 2 + k: 2}
     assert rollout.telemetry.counters["rebound"] == 8
+
+
+def test_the_trainer_gets_its_next_batch_before_the_last_version_is_taken_up(tmp_path, monkeypatch):
+    """With over-provisioning a batch is often complete before the previous version is taken
+    up: it goes to the trainer then (at most `TRAINER_QUEUE` batches in its hands), trained at
+    its own iteration's version, and the rules still hold."""
+    depths = []
+    hand_over = runner_lib.Rollout._try_train
+
+    def recording(self):
+        hand_over(self)
+        depths.append(len(self._jobs))
+
+    monkeypatch.setattr(runner_lib.Rollout, "_try_train", recording)
+    rollout, trainer, _ = make_rollout(
+        str(tmp_path),
+        mode="dora",
+        group_size=2,
+        train_batch_size=4,
+        rollout_batch_size=16,
+        staleness_bound=3,
+        num_iterations=6,
+        publish_delay_steps=10,
+        median_length=3,
+        max_length=20,
+    )
+    rollout.run()
+    assert max(depths) == runner_lib.TRAINER_QUEUE == 2
+    report = audit_lib.audit(str(tmp_path))
+    assert report.passed, report.format()
+    assert len(trainer.batches) == 6  # the double checked each batch's staleness at its step
+    for e in ledger_lib.read(str(tmp_path)):
+        if e["event"] == "train":
+            assert e["trainer_version"] == e["iteration"]
