@@ -1,11 +1,13 @@
-"""Decode throughput against the number of active slots, and prefill throughput, on CPU.
+"""Decode throughput against the number of active slots and of decode steps per engine call,
+and prefill throughput.
 
     .venv/bin/python benchmarks/engine_decode.py [--slots 16] [--steps 32] [--prompt 64]
 
 A decode step costs about the same whatever the number of active slots (every slot row is
 computed), so tokens/s grows with the slots kept full: the intra-instance bubble that DORA's
-slot refilling removes. Each step ends with a device-to-host copy of its tokens, as continuous
-batching does. Prints markdown tables.
+slot refilling removes. Each call ends with a device-to-host copy of its tokens, as continuous
+batching does; `generate_steps` runs several steps per call, which saves the host's per-call
+cost (`rollout.decode_steps_per_turn`). Prints markdown tables.
 """
 
 from __future__ import annotations
@@ -66,6 +68,27 @@ def _decode_row(engine, params, rng, active: int, steps: int, prompt: int) -> tu
     return active * steps / elapsed, elapsed / steps * 1e3
 
 
+def _steps_per_call_row(engine, params, rng, per_call: int, steps: int, prompt: int) -> float:
+    """ms per decode step with every slot busy, `per_call` steps per `generate_steps` call."""
+    slots = engine.max_concurrent_decodes
+    ds, _ = engine.admit(
+        params,
+        engine.init_decode_state(),
+        _requests(rng, slots, prompt, engine.max_decode_length),
+        list(range(slots)),
+    )
+    ds, results = engine.generate_steps(params, ds, per_call)  # warm-up (compiles)
+    results.convert_to_numpy()
+    calls = max(steps // per_call, 1)
+    start = time.perf_counter()
+    for _ in range(calls):
+        ds, results = engine.generate_steps(params, ds, per_call)
+        results = results.convert_to_numpy()
+    elapsed = time.perf_counter() - start
+    assert all(r.valid.all() for r in results)
+    return elapsed / (calls * per_call) * 1e3
+
+
 def _prefill_row(engine, params, rng, rows: int, prompt: int, repeats: int) -> float:
     requests = _requests(rng, rows, prompt, 1)
     prefix, first = engine.prefill_requests(params, requests)  # warm-up / compile
@@ -121,6 +144,12 @@ def main() -> None:
         if active == args.slots:
             break
         active = min(active * 2, args.slots)
+    print()
+    print(f"| decode steps per call ({args.slots} slots busy) | ms/step |")
+    print("| ---: | ---: |")
+    for per_call in (1, 2, 4, 8):
+        ms = _steps_per_call_row(engine, params, rng, per_call, args.steps, args.prompt)
+        print(f"| {per_call} | {ms:.2f} |", flush=True)
     print()
     print("| prompts per prefill call | prompt length | prefill tokens/s |")
     print("| ---: | ---: | ---: |")

@@ -22,13 +22,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.compilation_cache_dir = compile_cache_lib.DEFAULT_DIRECTORY
     c.modes = "sync,one_step_off,partial,dora"
     # Named retunings of `rollout`, run as `mode@name` entries of `modes` in the same process as
-    # the plain modes, e.g. `--config.modes=sync,dora,dora@wide`; their fields can be overridden
-    # from the command line like any other (`--config.variants.wide.staleness_bound=10`). `wide`
-    # keeps more in flight under a looser bound: 3830 instance steps against the bench's 4249.
+    # the plain modes, e.g. `--config.modes=sync,dora,dora@tight`; their fields can be
+    # overridden from the command line like any other (`--config.variants.tight.staleness_bound=5`).
+    # `tight` keeps less in flight under a tighter bound (the bench's settings before 12-06):
+    # 4660 instance steps against the bench's 4356.
     c.variants = ml_collections.ConfigDict()
-    c.variants.wide = ml_collections.ConfigDict()
-    c.variants.wide.rollout_batch_size = 256
-    c.variants.wide.staleness_bound = 8
+    c.variants.tight = ml_collections.ConfigDict()
+    c.variants.tight.rollout_batch_size = 160
+    c.variants.tight.staleness_bound = 6
     # A warm-up run of this many iterations (another seed's prompts) before the measured run,
     # after explicit compilation of every prefill bucket, slot move and trainer bucket; the
     # trainer is then reset to its initial state. Nothing of it enters the figures.
@@ -79,19 +80,23 @@ def get_config() -> ml_collections.ConfigDict:
     # K bounds how far a version's long tail may lag (dora and partial): a group is due K
     # iterations after its version, so a max_length response (160 decode steps) plus its wait
     # for a slot must fit in K iterations of ~publish_delay_steps (40) decode steps, or the
-    # trainer waits for it. dora's schedule (logical, the same on any machine; the bench's
-    # `instance_steps`): 5953 instance steps at K=3, 4562 at K=5, 4244 at K=6, 4102 at K=8;
-    # at K=6 its 1464 decode steps are near the trainer's floor of 36 x 40 = 1440.
-    # publish_delay_steps: about one training step (~0.12 s while decode competes) in decode
-    # steps (~3 ms), so the trainer's step overlaps decoding instead of the loop blocking on it.
+    # trainer waits for it. dora's schedule is logical (the bench's `instance_steps`, the same
+    # on any machine): 4660 instance steps at RBS 160 / K 6, 4356 at 192 / 8, 4650 at 224 / 8,
+    # 4795 at 192 / 7, 4212 at 192 / 10; 192 / 8 was the fastest in two sweeps (BENCHMARKS.md).
+    # publish_delay_steps: about one training step (~45 ms on its own core) in decode steps
+    # (~1.3 ms for three instances), so the trainer's step overlaps decoding instead of the loop
+    # blocking on it; 32 and 48 were no faster. decode_steps_per_turn: every mode runs 8 decode
+    # steps per engine call; against 1, sync 1.63x and dora 1.6x faster (the host's per-call
+    # cost was most of a step's on this small model), 16 gave sync 4% more and dora 4% less.
     c.rollout = rollout_config_lib.config_section(
         train_batch_size=64,
-        rollout_batch_size=160,
+        rollout_batch_size=192,
         group_size=4,
-        staleness_bound=6,
+        staleness_bound=8,
         num_iterations=36,
         timer_steps=8,
         publish_delay_steps=40,
+        decode_steps_per_turn=8,
     )
     del c.rollout["mode"]  # `modes` picks each run's paradigm
 
