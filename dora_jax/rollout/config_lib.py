@@ -7,7 +7,7 @@ from typing import Any
 
 import ml_collections
 
-from dora_jax.train.config_lib import TrainConfig
+from dora_jax.train.config_lib import TrainConfig, dataclass_section
 
 # Set once for the whole run, as the config's top-level `seed`.
 RUN_FIELDS = ("seed",)
@@ -83,18 +83,9 @@ class RolloutConfig:
 
 def config_section(**values: Any) -> ml_collections.ConfigDict:
     """A config file's `rollout` section: every field a user may set, at its default unless
-    given here, so that each one can be overridden from the command line (ml_collections
-    refuses `--config.rollout.FIELD=...` for a key the file's config lacks)."""
-    section = ml_collections.ConfigDict()
-    for field in dataclasses.fields(RolloutConfig):
-        if field.name in RUN_FIELDS:
-            if field.name in values:
-                raise ValueError(f"rollout.{field.name}: set it once, as the config's {field.name}")
-            continue
-        section[field.name] = values.pop(field.name, field.default)
-    if values:
-        raise ValueError(f"rollout: unknown field(s) {sorted(values)}")
-    return section
+    given here (`train.config_lib.dataclass_section`)."""
+    elsewhere = {f: f"set it once, as the config's top-level {f}" for f in RUN_FIELDS}
+    return dataclass_section(RolloutConfig, "rollout", values, elsewhere)
 
 
 def train_config(rollout: RolloutConfig, train: Any) -> TrainConfig:

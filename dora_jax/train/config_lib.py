@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
@@ -144,16 +145,26 @@ ROLLOUT_FIELDS = ("tbs", "group_size", "max_staleness")
 
 def config_section(**values: Any) -> ml_collections.ConfigDict:
     """A config file's `train` section: every field a user may set, at its default unless
-    given here. ml_collections refuses a command-line override of a key its config lacks
-    (`--config.train.kl_coef=0.05` is an AttributeError then), so a section that listed only
-    the fields it changed left the others unreachable. Fields whose default is None are typed
-    placeholders, so that an override still parses as a number."""
-    hints = typing.get_type_hints(TrainConfig)
+    given here (`dataclass_section`)."""
+    elsewhere = {f: "is set by the rollout config, not in config.train" for f in ROLLOUT_FIELDS}
+    return dataclass_section(TrainConfig, "train", values, elsewhere)
+
+
+def dataclass_section(
+    cls: type, name: str, values: dict[str, Any], set_elsewhere: Mapping[str, str]
+) -> ml_collections.ConfigDict:
+    """A config file's section `name` for the config dataclass `cls`: every field a user may
+    set, at its default unless in `values`. ml_collections refuses a command-line override of
+    a key its config lacks (`--config.train.kl_coef=0.05` is an AttributeError then), so a
+    section that listed only the fields it changed left the others unreachable. Fields whose
+    default is None are typed placeholders, so that an override still parses as a number.
+    `set_elsewhere` maps each field the section must not hold to where it is set instead."""
+    hints = typing.get_type_hints(cls)
     section = ml_collections.ConfigDict()
-    for field in dataclasses.fields(TrainConfig):
-        if field.name in ROLLOUT_FIELDS:
+    for field in dataclasses.fields(cls):
+        if field.name in set_elsewhere:
             if field.name in values:
-                _fail(field.name, "is set by the rollout config, not in config.train")
+                raise ValueError(f"{name} config field {field.name!r}: {set_elsewhere[field.name]}")
             continue
         value = values.pop(field.name, field.default)
         if value is None:
@@ -161,7 +172,7 @@ def config_section(**values: Any) -> ml_collections.ConfigDict:
             value = ml_collections.config_dict.placeholder(kind)
         section[field.name] = value
     if values:
-        raise ValueError(f"train config: unknown field(s) {sorted(values)}")
+        raise ValueError(f"{name} config: unknown field(s) {sorted(values)}")
     return section
 
 
