@@ -171,6 +171,7 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
     config.eval.update(num_prompts=8, samples_per_prompt=1)
     config.checkpoint.every = 2
     config.train.kl_coef = 0.05  # the reference policy goes into every checkpoint
+    config.rollout.decode_steps_per_turn = 3  # several steps per call on the hosts' engines
     config.runtime.generation_hosts = "local"
     started = []
     start = hosts_lib.start_local_hosts
