@@ -209,17 +209,21 @@ def run_mode(
         "cpu_seconds": cpu,
         "cpu_cores": cpu / wall,
         "trainer_idle_s": sum(m["trainer_idle_s"] for m in history),
-        "decode_steps": sum(m.get("decode_steps", 0.0) for m in history),
-        "instance_steps": sum(m.get("instance_steps", 0.0) for m in history),
-        **_steps_by_lag(history),
+        **schedule_figures(history),
         "audit_passed": audit_lib.audit(workdir).passed,
     }
 
 
-def _steps_by_lag(history: list[dict[str, float]]) -> dict[str, float]:
-    """Instance steps by the hosted version's lag behind the newest, and the slot occupancy of
-    those steps (step-weighted, logical: the same on every run of a config and seed)."""
-    figures = {}
+def schedule_figures(history: list[dict[str, float]]) -> dict[str, float]:
+    """The run's schedule in logical units: decode steps, instance steps (all, and by the hosted
+    version's lag behind the newest) and the slot occupancy of those steps (step-weighted). They
+    depend on the config and seed only, not on the machine or the model's tokens (lengths are
+    forced), so an engine double that honours the engine's contract gives the same figures."""
+    figures = {
+        "decode_steps": sum(m.get("decode_steps", 0.0) for m in history),
+        "instance_steps": sum(m.get("instance_steps", 0.0) for m in history),
+    }
+    total_busy = total_slots = 0.0
     for lag in telemetry_lib.LAG_LABELS:
         steps, busy, slots = (
             sum(m.get(f"{kind}/{lag}", 0.0) for m in history)
@@ -227,6 +231,8 @@ def _steps_by_lag(history: list[dict[str, float]]) -> dict[str, float]:
         )
         figures[f"instance_steps/{lag}"] = steps
         figures[f"step_occupancy/{lag}"] = busy / slots if slots else 0.0
+        total_busy, total_slots = total_busy + busy, total_slots + slots
+    figures["step_occupancy"] = total_busy / total_slots if total_slots else 0.0
     return figures
 
 

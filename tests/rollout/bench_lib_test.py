@@ -1,6 +1,8 @@
 """`dora-jax bench` on a tiny config: the figures are there, the audits pass (partial fails C1
 only), every mode trained exactly the same samples (the "identical work" claim, checked), every
-repeat of a mode wrote the same ledger, and a `mode@variant` entry ran its own settings."""
+repeat of a mode wrote the same ledger, a `mode@variant` entry ran its own settings, and each
+entry's schedule is the one the engine double gives (what `benchmarks/rollout_schedule.py`
+prints)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
+from rollout_harness import bench_schedule
 from tiny_models import DENSE
 
 from dora_jax.engine import Engine
@@ -128,6 +131,12 @@ def test_bench_reports_every_mode_on_identical_work(tmp_path):
     # Only the newest version decodes in sync, and partial reloads it everywhere at each update.
     for mode in ("sync", "partial"):
         assert saved[mode]["instance_steps/lag0"] == saved[mode]["instance_steps"], mode
+    # The schedule is a function of the config and seed: the engine double, which knows nothing
+    # of the model, takes the same steps at the same occupancy as the real engine and trainer.
+    for mode in MODES:
+        logical = bench_schedule(config, mode, str(tmp_path / "double" / mode))
+        for key, value in logical.items():
+            assert saved[mode][key] == value, (mode, key)
 
 
 @pytest.mark.parametrize(

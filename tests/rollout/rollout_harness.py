@@ -1,12 +1,15 @@
-"""Builds a rollout run on the doubles: N instances of S slots over the 8 virtual devices."""
+"""Builds a rollout run on the doubles: N instances of S slots over the virtual devices; or a
+`dora-jax bench` entry's run on them, whose schedule is the real bench's
+(`bench_lib_test` checks it; `benchmarks/rollout_schedule.py` prints it)."""
 
 from __future__ import annotations
 
 import jax
+import ml_collections
 from rollout_doubles import EngineDouble, TrainerDouble
 
 from dora_jax.models import sharding_lib
-from dora_jax.rollout import request_lib, runner_lib
+from dora_jax.rollout import bench_lib, request_lib, runner_lib
 from dora_jax.rollout.config_lib import RolloutConfig
 
 
@@ -63,3 +66,32 @@ def make_rollout(
         resume=resume,
     )
     return rollout, trainer, engines
+
+
+def bench_schedule(config: ml_collections.ConfigDict, entry: str, workdir: str) -> dict[str, float]:
+    """Runs the `dora-jax bench` entry `entry` (`mode` or `mode@variant`) of `config` on the
+    doubles: the bench's workload, instances, slots, engine lengths and rollout settings, a
+    trainer that publishes at once. Returns `bench_lib.schedule_figures` of the run; its ledger
+    is in `workdir`."""
+    cfg = bench_lib.rollout_configs(config)[entry]
+    w = config.workload
+    devices = jax.devices()
+    engines = [
+        EngineDouble(
+            sharding_lib.make_mesh([devices[1 + i % (len(devices) - 1)]], 1, 1),
+            max_concurrent_decodes=config.engine.slots,
+            max_prefill_length=w.prompt_length + w.max_length,
+            max_decode_length=w.max_length,
+        )
+        for i in range(config.runtime.num_instances)
+    ]
+    k, _ = runner_lib.paradigms_lib.PARADIGMS[cfg.mode]().bounds(cfg)
+    trainer = TrainerDouble(
+        sharding_lib.make_mesh(devices[:1], 1, 1),
+        train_batch_size=cfg.train_batch_size,
+        group_size=cfg.group_size,
+        staleness_bound=k,
+    )
+    prompts = bench_lib.workload(config, config.seed, cfg.num_iterations)
+    rollout = runner_lib.Rollout(cfg, engines, trainer, prompts, lambda pid, toks: 0.0, workdir)
+    return bench_lib.schedule_figures(rollout.run())
