@@ -50,7 +50,8 @@ def main(argv: list[str]) -> None:
         f"{w.median_length}, max {w.max_length}, sigma {w.sigma}\n"
     )
     lags = " | ".join(f"{lag}: steps (occupancy)" for lag in telemetry_lib.LAG_LABELS)
-    print(f"| entry | decode steps | instance steps | slot occupancy | {lags} | staleness mean / max |")
+    columns = "entry | decode steps | instance steps | slot occupancy"
+    print(f"| {columns} | {lags} | staleness mean / max |")
     print("|---" * (5 + len(telemetry_lib.LAG_LABELS)) + "|")
     with tempfile.TemporaryDirectory() as tmp:
         for entry in config.modes.split(","):
