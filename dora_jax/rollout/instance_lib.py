@@ -129,11 +129,28 @@ class RolloutInstance:
         """Reads back what was enqueued since the last collect, in order: the admissions' first
         tokens, then each decode step's tokens. Returns the requests that finished (slots
         freed; one that finished with its first token was never left decoding by the engine)
-        and how many slots decoded at each step the engine ran."""
-        finished = self._collect_admissions()
-        results, self._pending_result = self._pending_result.convert_to_numpy(), None
+        and how many slots decoded at each step the engine ran.
+
+        Everything is read before any slot changes: a read-back that raises (a device error, a
+        generation host gone) leaves every request in its slot as it was before the turn, so
+        `fail` hands them all back. Recording as it read, a request that finished in an earlier
+        read-back of the turn would already have left its slot, and be lost with the error."""
+        admissions, self._pending_prefill = self._pending_prefill, []
+        pending, self._pending_result = self._pending_result, None
+        admitted = [(starts, result.convert_to_numpy()) for starts, result in admissions]
+        steps = pending.convert_to_numpy()
+        for starts, result in admitted:
+            refused = [slot for (_, slot), ok in zip(starts, result.valid, strict=False) if not ok]
+            if refused:
+                raise RuntimeError(f"{self.name}: engine refused busy slot(s) {refused}")
+        finished: list[Request] = []
+        for starts, result in admitted:
+            rows = read_rows(result)
+            for row, (request, slot) in enumerate(starts):
+                request.started = True
+                self._record(slot, rows[row], result.version, finished)
         busy_per_step = []
-        for result in results:
+        for result in steps:
             active = self.active()
             if not active:  # every request finished: the engine stopped there too
                 break
@@ -142,20 +159,6 @@ class RolloutInstance:
             for slot in active:
                 self._record(slot, rows[slot], result.version, finished)
         return finished, busy_per_step
-
-    def _collect_admissions(self) -> list[Request]:
-        pending, self._pending_prefill = self._pending_prefill, []
-        finished = []
-        for starts, result in pending:
-            result = result.convert_to_numpy()
-            refused = [slot for (_, slot), ok in zip(starts, result.valid, strict=False) if not ok]
-            if refused:
-                raise RuntimeError(f"{self.name}: engine refused busy slot(s) {refused}")
-            rows = read_rows(result)
-            for row, (request, slot) in enumerate(starts):
-                request.started = True
-                self._record(slot, rows[row], result.version, finished)
-        return finished
 
     def _record(
         self, slot: int, row: tuple[int, float, int], version: int, finished: list[Request]
@@ -191,10 +194,14 @@ class RolloutInstance:
         self.slots[slot] = request
 
     def evict_all(self) -> list[Request]:
-        """Takes every request out of the slots, keeping what they generated."""
-        requests = [self.slots[s] for s in self.active()]
-        for s in self.active():
-            self._release(s)
+        """Takes every request out of the slots, keeping what they generated. One engine call:
+        if it raises, every request is still in its slot for `fail`."""
+        active = self.active()
+        if active:
+            self.decode_state = self.engine.free_slot(self.decode_state, active)
+        requests = [self.slots[s] for s in active]
+        for s in active:
+            self.slots[s] = None
         return requests
 
     def fail(self) -> list[Request]:

@@ -105,17 +105,17 @@ class Partial(Paradigm):
     def rebalance(self, r: Rollout, triggers: set[str]) -> None:
         newest = r.window.newest
         r.rebind_pending(list(r.pending))  # not started: just rebind
-        holder = None
         for x in r.healthy():
             if x.version == newest:
-                holder = holder or x
                 continue
-            interrupted = x.evict_all()
+            interrupted = r.interrupt(x)
+            holder = next((y for y in r.healthy() if y.version == newest), None)
             r.load(x, newest, holder)
-            holder = holder or x
-            if interrupted:
+            if not x.healthy:  # the load failed: what it had generated goes with the instance
+                r.requeue(interrupted)
+            elif interrupted:
                 r.start([(x, list(zip(interrupted, x.free(), strict=False)))])
-            r.telemetry.counters["reprefills"] += len(interrupted)
+                r.telemetry.counters["reprefills"] += len(interrupted)
 
 
 class Dora(Paradigm):

@@ -289,16 +289,29 @@ class Rollout:
         prefilling) from scratch under the newest version."""
         self.telemetry.close(x.name, self.trace.now_us())
         # A prefill that failed half-way may have put some of its requests in slots already.
-        requests = {r.key: r for r in [*x.fail(), *prefilling]}
-        for request in requests.values():
+        self.requeue({r.key: r for r in [*x.fail(), *prefilling]}.values())
+        self.totals["failed_instances"] += 1
+        if not self.healthy():
+            raise RuntimeError("every rollout instance has failed")
+
+    def requeue(self, requests: Iterable[Request]) -> None:
+        """Restarts requests from scratch under the newest version, first in line (the
+        instance that held them failed; what they generated there is not trusted)."""
+        for request in requests:
             request.restart(self.window.newest)
             self.queue.rebind(request.key, self.window.newest)
             self.pending[self.window.newest].appendleft(request)
             self.totals["requeued"] += 1
             self.telemetry.counters["requeued"] += 1
-        self.totals["failed_instances"] += 1
-        if not self.healthy():
-            raise RuntimeError("every rollout instance has failed")
+
+    def interrupt(self, x: RolloutInstance) -> list[Request]:
+        """Takes every request out of `x`'s slots, with what it generated so far (`partial`'s
+        weight update). An engine error takes `x` out instead (its requests requeued): []."""
+        try:
+            return x.evict_all()
+        except Exception:  # noqa: BLE001 - any engine error takes the instance out
+            self._fail(x)
+            return []
 
     def _rehome_orphans(self) -> None:
         """Pending work of a version no instance holds any more goes to the newest version."""
@@ -323,12 +336,24 @@ class Rollout:
     # -- weights and migrations -------------------------------------------------------------
 
     def load(self, x: RolloutInstance, version: int, source: RolloutInstance | None) -> None:
-        """Weight move: from `source` (an instance holding `version`) or the trainer's copy."""
+        """Weight move: from `source` (an instance holding `version`) or the trainer's copy.
+        An engine error takes `x` out (its requests requeued), even where the fault was the
+        source's: the source's own next call fails it in turn."""
+        if not x.healthy:
+            return
+        if source is not None and not source.healthy:  # taken out since the plan was made
+            source = next((y for y in self.healthy() if y.version == version), None)
+            if source is None and version not in self.staged:
+                return  # its requests went to the newest version with the instance
         if source is None and version not in self.staged:
             raise RuntimeError(f"v{version} is not held anywhere; cannot load it on {x.name}")
         params = source.params.state if source is not None else self.staged[version]
         t0 = self.trace.now_us()
-        seconds, nbytes = x.load(version, params)
+        try:
+            seconds, nbytes = x.load(version, params)
+        except Exception:  # noqa: BLE001 - any engine error takes the instance out
+            self._fail(x)
+            return
         origin = "trainer" if source is None else source.name
         self.telemetry.action(x.name, f"load v{version}", t0, self.trace.now_us(), source=origin)
         self.telemetry.counters["weight_moves"] += 1
@@ -336,11 +361,23 @@ class Rollout:
         self.telemetry.counters["weight_move_bytes"] += nbytes
 
     def migrate(self, src: RolloutInstance, slot: int, dst: RolloutInstance, dst_slot: int):
-        """Moves a request with its KV cache to another instance of the same version."""
+        """Moves a request with its KV cache to another instance of the same version. An engine
+        error takes out the instance that raised; the request is requeued either way (until
+        `src` lets it go it is in `src`'s slot, after that `dst` owns it)."""
+        if not (src.healthy and dst.healthy):
+            return  # an earlier step of the same plan took one of them out
         t0 = self.trace.now_us()
-        request, exported = src.export(slot)
+        try:
+            request, exported = src.export(slot)
+        except Exception:  # noqa: BLE001 - any engine error takes the instance out
+            self._fail(src)
+            return
         nbytes = transfer_lib.tree_nbytes(exported)
-        dst.import_(dst_slot, request, exported)
+        try:
+            dst.import_(dst_slot, request, exported)
+        except Exception:  # noqa: BLE001
+            self._fail(dst, [request])
+            return
         t1 = self.trace.now_us()
         for x in (src, dst):
             self.telemetry.action(x.name, "migrate", t0, t1, src=src.index, dst=dst.index)
@@ -363,9 +400,6 @@ class Rollout:
         batch = self.queue.select_batch(self.selected)
         if batch is None:
             return
-        for traj in batch:
-            self.ledger.train(traj, iteration=self.selected, trainer_version=self.selected)
-            self.totals["trained"] += 1
         # The new version waits where loading it costs least: the least busy instance now.
         target = min(self.healthy(), key=lambda x: (len(x.active()), x.index))
         future = self._executor.submit(self._train_step, batch, self.selected, _staging(target))
@@ -392,9 +426,15 @@ class Rollout:
         return metrics, t0, t1, self.trainer.publish(staging)
 
     def _publish(self) -> None:
-        job = self._jobs.popleft()
+        job = self._jobs[0]
         wait0 = time.perf_counter()
         train_metrics, t0, t1, published = job.future.result()
+        self._jobs.popleft()
+        # Trained once the step is done: a step that raises leaves its batch in the end
+        # event's queued list, not claimed by the ledger.
+        for traj in job.batch:
+            self.ledger.train(traj, iteration=job.iteration, trainer_version=job.iteration)
+            self.totals["trained"] += 1
         waited = time.perf_counter() - wait0
         # No instance decodes while the controller waits, busy slots or not: a bubble for all.
         self.telemetry.idle_wait(waited)
@@ -461,7 +501,7 @@ class Rollout:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able rollout state at a barrier (nothing in flight, nothing pending)."""
-        if self.outstanding() or self._jobs:
+        if self.outstanding() or self._jobs or self.unfinished:
             raise RuntimeError("rollout state is only complete at a checkpoint barrier")
         return {
             "tick": self.tick,
@@ -497,7 +537,8 @@ class Rollout:
 
     def _stop(self) -> None:
         in_flight = sorted(self.unfinished)
-        self.ledger.end(in_flight, self.queue.queued())
+        handed_over = [t for job in self._jobs for t in job.batch]  # not trained, as published
+        self.ledger.end(in_flight, self.queue.queued() + handed_over)
         self.ledger.close()
         self.telemetry.close_all(self.trace.now_us())
         self.trace.save(os.path.join(self.workdir, "trace.json"))

@@ -84,7 +84,7 @@ class StepResults:
         pass  # already on the host
 
     def convert_to_numpy(self) -> list[ResultTokens]:
-        return self.steps
+        return [step.convert_to_numpy() for step in self.steps]
 
 
 _FIELDS = ("active", "seed", "index", "remaining", "ignore_eos", "version", "kv")
@@ -100,6 +100,7 @@ class EngineDouble:
         max_decode_length: int = 512,
         fail_after_steps: int | None = None,
         fail_after_prefills: int | None = None,
+        fail_on_readback: bool = False,
     ):
         self.mesh = mesh
         self.max_concurrent_decodes = max_concurrent_decodes
@@ -108,6 +109,9 @@ class EngineDouble:
         self.samples_per_slot = 1
         self.fail_after_steps = fail_after_steps
         self.fail_after_prefills = fail_after_prefills
+        # A decode failure raises at dispatch, or (True) when its tokens are read back, as a
+        # device error surfaces in JAX or a dead generation host's in `RemoteEngine`.
+        self.fail_on_readback = fail_on_readback
         self.prefill_calls = 0
         self.steps = 0
         self.prefills = 0
@@ -220,7 +224,8 @@ class EngineDouble:
 
     def generate(self, params: PolicyParams, decode_state: dict):
         self.steps += 1
-        if self.fail_after_steps is not None and self.steps > self.fail_after_steps:
+        failing = self.fail_after_steps is not None and self.steps > self.fail_after_steps
+        if failing and not self.fail_on_readback:
             raise RuntimeError("injected engine failure")
         weights_version = int(params.state["version"])
         state = {k: v.copy() for k, v in decode_state.items()}
@@ -246,6 +251,7 @@ class EngineDouble:
             state["index"].copy(),
             state["version"].copy(),
             params.version,
+            error="injected engine failure" if failing else None,
         )
         return state, result
 

@@ -20,6 +20,7 @@ def make_rollout(
     slots: int = 4,
     fail: dict[int, int] | None = None,  # instance -> decode steps before its engine raises
     fail_prefill: dict[int, int] | None = None,  # instance -> prefill calls before it raises
+    fail_on_readback: bool = False,  # decode failures raise on read-back, not at dispatch
     median_length: int = 6,
     max_length: int = 80,
     checkpoint_every: int = 0,
@@ -35,6 +36,7 @@ def make_rollout(
             max_concurrent_decodes=slots,
             fail_after_steps=(fail or {}).get(i),
             fail_after_prefills=(fail_prefill or {}).get(i),
+            fail_on_readback=fail_on_readback,
         )
         for i in range(num_instances)
     ]

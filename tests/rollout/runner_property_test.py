@@ -9,6 +9,7 @@ sequence exactly.
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -47,6 +48,22 @@ def _trained(trainer):
     return [t for batch in trainer.batches for t in batch]
 
 
+def _assert_every_sample_is_somewhere_once(rollout, trainer, workdir):
+    """C2 from books the audit does not read: each dispatched sample was trained once (the
+    trainer's own batches), or is in a live instance's slot, pending, or finished and queued,
+    and in exactly one of these. The audit trusts the end event's in-flight list; this does
+    not."""
+    trained = collections.Counter(t.key for t in _trained(trainer))
+    assert max(trained.values(), default=1) == 1, trained.most_common(3)
+    in_slots = {r.key for x in rollout.healthy() for r in x.slots if r is not None}
+    pending = {r.key for q in rollout.pending.values() for r in q}
+    queued = {t.key for t in rollout.queue.queued()}
+    events = ledger_lib.read(workdir)
+    for key in {(e["prompt_id"], e["sample_index"]) for e in events if e["event"] == "dispatch"}:
+        places = (key in trained) + (key in in_slots) + (key in pending) + (key in queued)
+        assert places == 1, (key, key in trained, key in in_slots, key in pending, key in queued)
+
+
 PROPS = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -76,6 +93,7 @@ def test_every_mode_terminates_and_keeps_the_rules(tmp_path_factory, setup):
             seed = rollout.seed_of(t.prompt_id, t.sample_index)
             ref = [token_at(seed, i) for i in range(len(t.response_tokens))]
             assert t.response_tokens.tolist() == ref
+    _assert_every_sample_is_somewhere_once(rollout, trainer, workdir)
     # The audit agrees with the runtime's and the trainer's own counters.
     assert report.trained == rollout.totals["trained"] == len(trained)
     assert report.in_flight_at_end == len(rollout.unfinished)
@@ -117,17 +135,25 @@ def test_same_seed_gives_the_same_ledger(tmp_path_factory, setup):
     assert ledgers[0] == ledgers[1]
 
 
-@settings(max_examples=20, deadline=None)
-@given(setup=setups(), fail_at=st.integers(1, 30), stage=st.sampled_from(["decode", "prefill"]))
+@settings(max_examples=30, deadline=None)
+@given(
+    setup=setups(),
+    fail_at=st.integers(1, 30),
+    stage=st.sampled_from(["decode", "decode read-back", "prefill read-back"]),
+)
 def test_failed_instance_requests_are_regenerated(tmp_path_factory, setup, fail_at, stage):
     setup["num_instances"] = max(setup["num_instances"], 2)
     workdir = str(tmp_path_factory.mktemp("run"))
-    fail = {"fail" if stage == "decode" else "fail_prefill": {0: fail_at}}
+    if stage.startswith("decode"):
+        fail = {"fail": {0: fail_at}, "fail_on_readback": stage == "decode read-back"}
+    else:
+        fail = {"fail_prefill": {0: fail_at}}
     rollout, trainer, engines = make_rollout(workdir, max_length=60, **fail, **setup)
     rollout.run()
     report = audit_lib.audit(workdir)
     assert report.rules["C2"] and report.rules["C3"], report.format()
-    calls = engines[0].steps if stage == "decode" else engines[0].prefill_calls
+    _assert_every_sample_is_somewhere_once(rollout, trainer, workdir)
+    calls = engines[0].steps if stage.startswith("decode") else engines[0].prefill_calls
     if calls > fail_at:  # the failure happened
         assert rollout.totals["failed_instances"] == 1
         assert not rollout.instances[0].healthy
@@ -204,3 +230,98 @@ def test_a_prefill_that_fails_half_way_requeues_each_request_once(tmp_path):
     assert sorted(requeued) == sorted([short.key, long.key])
     assert rollout.totals["requeued"] == 2
     assert all(not r.started and not r.tokens for q in rollout.pending.values() for r in q)
+
+
+def test_a_read_back_that_fails_after_a_request_finished_loses_nothing(tmp_path):
+    """A request that finished with its first token (read back with the turn's admissions),
+    then a decode step whose read-back fails (a device error, a generation host gone): the
+    instance is out and both requests are requeued, the finished one too (the turn's tokens
+    are untrusted). It used to leave its slot before the error and end up in no book at all,
+    while the ledger's end event still listed it as in flight."""
+    rollout, _, engines = make_rollout(
+        str(tmp_path), num_instances=2, slots=4, group_size=2, train_batch_size=2,
+        rollout_batch_size=4, num_iterations=2, fail_on_readback=True,
+    )  # fmt: skip
+    x = rollout.instances[0]
+    rollout.load(x, 0, None)
+    rollout.dispatch_group(0)
+    one_token, longer = rollout.pending[0].popleft(), rollout.pending[0].popleft()
+    prompt = dataclasses.replace(one_token.prompt, max_new_tokens=(1, 30))
+    one_token.prompt = longer.prompt = prompt
+    engines[0].fail_after_steps = engines[0].steps  # the turn's decode step fails on read-back
+    rollout.start([(x, [(one_token, 0), (longer, 1)])])
+    rollout._decode()
+    assert not x.healthy
+    requeued = [r.key for q in rollout.pending.values() for r in q]
+    assert sorted(requeued) == sorted([one_token.key, longer.key])
+    assert rollout.totals["requeued"] == 2 and rollout.totals["finished"] == 0
+
+
+def _raise_after(owner, method: str, calls: int) -> None:
+    """Makes `owner.method` raise from its `calls + 1`-th call on, as a dead generation host's
+    `RemoteEngine` does (`HostError`) on any call."""
+    real, seen = getattr(owner, method), []
+
+    def wrapped(*args, **kwargs):
+        seen.append(1)
+        if len(seen) > calls:
+            raise RuntimeError(f"injected {method} failure")
+        return real(*args, **kwargs)
+
+    setattr(owner, method, wrapped)
+
+
+@pytest.mark.parametrize(
+    "mode, method, calls",
+    [
+        ("dora", "export_slot", 0),  # a migration's source
+        ("dora", "export_slot", 1),
+        ("dora", "import_slot", 0),  # its destination: the request already left the source
+        ("dora", "import_slot", 1),
+        ("dora", "load", 1),  # a weight move (on the instance: the params' placement)
+        ("partial", "free_slot", 0),  # interrupting the in-flight requests at an update
+        ("partial", "free_slot", 2),
+        ("partial", "load", 1),
+    ],
+)
+def test_an_engine_error_outside_decoding_takes_out_the_instance_and_loses_nothing(
+    tmp_path, mode, method, calls
+):
+    """Migrations, weight moves and interruptions reach the engine too (a generation host's
+    connection can end in any call); each error takes that instance out and requeues its
+    requests, and the run goes on. Three of the four instances fail that way."""
+    rollout, trainer, engines = make_rollout(
+        str(tmp_path), mode=mode, num_instances=4, slots=4, group_size=4, train_batch_size=8,
+        rollout_batch_size=24, staleness_bound=2, num_iterations=6, median_length=6,
+        max_length=120, timer_steps=4, seed=0,
+    )  # fmt: skip
+    for i in range(3):
+        owner = rollout.instances[i] if method == "load" else engines[i]
+        _raise_after(owner, method, calls)
+    rollout.run()
+    assert rollout.totals["failed_instances"] >= 1
+    report = audit_lib.audit(str(tmp_path))
+    assert report.rules["C2"] and report.rules["C3"], report.format()
+    _assert_every_sample_is_somewhere_once(rollout, trainer, str(tmp_path))
+
+
+@pytest.mark.parametrize("mode", ["dora", "sync"])
+def test_a_training_step_that_raises_leaves_its_batch_untrained_in_the_ledger(tmp_path, mode):
+    """The ledger writes a sample as trained once its step is done: when the trainer raises
+    (a NaN loss under the `stop` policy, say), the run stops, and its batch (with the one
+    queued behind it) is listed at the end as queued, so the audit of the stopped run still
+    finds every sample somewhere and claims none the trainer never took."""
+    rollout, trainer, _ = make_rollout(
+        str(tmp_path), mode=mode, group_size=2, train_batch_size=4, rollout_batch_size=8,
+        num_iterations=5, publish_delay_steps=3,
+    )  # fmt: skip
+    _raise_after(trainer, "step", 2)
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        rollout.run()
+    events = ledger_lib.read(str(tmp_path))
+    trained = [(e["prompt_id"], e["sample_index"]) for e in events if e["event"] == "train"]
+    assert sorted(trained) == sorted(t.key for t in _trained(trainer))
+    assert {e["iteration"] for e in events if e["event"] == "train"} == {0, 1}
+    report = audit_lib.audit(str(tmp_path))
+    assert report.rules["C2"], report.format()
+    assert report.queued_at_end >= 4  # at least the batch whose step raised
