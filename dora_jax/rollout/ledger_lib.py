@@ -2,8 +2,10 @@
 
 Events (issue 5): `start` (the bounds the audit checks against, so it needs nothing but the
 file), `dispatch` when a sample starts decoding (again, with the same key, when a failed
-instance's sample is regenerated), `train` when a sample is trained, `end` when the run stops
-with what was still in flight and what sat finished in the trajectory queue. Lines are written
+instance's sample is regenerated), `train` when a sample is trained (its step done, the new
+version taken up), `end` when the run stops with what was still in flight and what sat
+finished, untrained (in the trajectory queue, or handed to a trainer that did not finish its
+step). Lines are written
 in the orchestrator's logical order, so the same config and seed give a byte-identical file.
 """
 
