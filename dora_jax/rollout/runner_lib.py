@@ -490,8 +490,10 @@ class Rollout:
         While draining, no new work starts and the trainer waits; every dispatched sample
         finishes under its own version and waits, complete, in the trajectory queue. Instances
         drop their params, so a resumed run (which holds only the trainer's newest version)
-        and an uninterrupted one continue from identical states and write identical ledgers.
-        Nothing is ever resumed half-generated, so no trajectory mixes versions across a crash.
+        and an uninterrupted one continue from identical states and write identical ledgers
+        (unless an instance failed before the barrier: a resumed run starts with every instance
+        healthy). Nothing is ever resumed half-generated, so no trajectory mixes versions across
+        a crash.
         """
         for x in self.healthy():
             x.unload()
