@@ -68,17 +68,85 @@ class Settings:
     overlong: OverlongPenalty
 
 
+# Every field of the sections `validate` reads itself (`rollout` and `train` check theirs
+# against their dataclasses): a field misspelled in a config file would otherwise be ignored,
+# its default used in silence. (`--config.x=` overrides of unknown fields fail in absl.)
+_SECTION_FIELDS: dict[str, frozenset[str]] = {
+    "model": frozenset({"checkpoint", "dtype", *_MODEL_SHAPE_FIELDS}),
+    "runtime": frozenset(
+        {
+            "train_devices",
+            "train_tp",
+            "num_instances",
+            "devices_per_instance",
+            "instance_tp",
+            "generation_hosts",
+            "training_hosts",
+            "coordinator",
+        }
+    ),  # fmt: skip
+    "data": frozenset(
+        {
+            "source",
+            "train_files",
+            "heldout_files",
+            "prompt_field",
+            "answer_field",
+            "template",
+            "max_prompt_len",
+            "on_bad_row",
+        }
+    ),  # fmt: skip
+    "task": frozenset({*(f.name for f in dataclasses.fields(LongTailTask)), "demonstration_noise"}),
+    "reward": frozenset({"name", "timeout_s", "overlong_buffer", "overlong_penalty"}),
+    "engine": frozenset({"slots", "max_decode_length", "temperature", "top_k", "top_p"}),
+    "sft": frozenset({"steps", "batch_size", "learning_rate"}),
+    "eval": frozenset({"num_prompts", "samples_per_prompt"}),
+    "checkpoint": frozenset({"every", "keep"}),
+}
+_TOP_LEVEL_FIELDS = frozenset(
+    {"seed", "num_cpu_devices", "compilation_cache_dir", "rollout", "train", *_SECTION_FIELDS}
+)
+# (field, smallest value): counts the run divides by or must have at least one of.
+_MINIMA = (
+    ("engine.slots", 1),
+    ("engine.max_decode_length", 1),
+    ("data.max_prompt_len", 1),
+    ("sft.steps", 0),
+    ("sft.batch_size", 1),
+    ("eval.num_prompts", 1),
+    ("eval.samples_per_prompt", 1),
+    ("checkpoint.every", 0),  # 0: no checkpoints
+    ("checkpoint.keep", 1),
+)
+
+
 def validate(config: ml_collections.ConfigDict) -> Settings:
     """Checks the whole config before any heavy work; errors name the offending field."""
+    _check_field_names(config)
     if config.model.dtype not in _DTYPES:
         raise ValueError(f"model.dtype={config.model.dtype!r}: expected one of {list(_DTYPES)}")
     if config.data.source not in ("longtail", "files"):
         raise ValueError(f"data.source={config.data.source!r}: expected 'longtail' or 'files'")
     if config.data.source == "files" and not config.data.train_files:
         raise ValueError("data.train_files must name at least one file when data.source='files'")
-    for field in ("slots", "max_decode_length"):
-        if int(config.engine[field]) < 1:
-            raise ValueError(f"engine.{field}={config.engine[field]!r}: must be >= 1")
+    if config.data.source == "files" and not config.model.checkpoint:
+        raise ValueError(
+            "model.checkpoint must name a Hugging Face model directory when data.source='files' "
+            "(its tokenizer.json tokenizes the files' prompts)"
+        )
+    if config.data.on_bad_row not in ("skip", "error"):
+        raise ValueError(f"data.on_bad_row={config.data.on_bad_row!r}: expected 'skip' or 'error'")
+    for field, least in _MINIMA:
+        section, name = field.split(".")
+        value = config[section][name]
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"{field}={value!r}: must be an integer >= {least}")
+    _named("engine.", lambda: _sampling(config))
+    if config.data.template != "chat":  # a chat template is the checkpoint's, checked on load
+        _named("data.template: ", lambda: make_template(config.data.template))
+    if config.data.source == "longtail":
+        _longtail_task(config)  # its errors name their task.* field
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "seed": config.seed})
     train = train_config(rollout, config.train)
     get_reward(config.reward.name)  # an unknown reward name fails here, not mid-run
@@ -99,6 +167,32 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
     return Settings(
         rollout=rollout, train=train, plan=plan, generation_hosts=hosts, overlong=overlong
     )
+
+
+def _check_field_names(config: ml_collections.ConfigDict) -> None:
+    unknown = sorted(set(config) - _TOP_LEVEL_FIELDS)
+    for section, known in _SECTION_FIELDS.items():
+        unknown += sorted(f"{section}.{f}" for f in set(config.get(section, {})) - known)
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown}: misspelled, or not a dora_jax field")
+
+
+def _named(prefix: str, check: Any) -> None:
+    """Runs `check`, prefixing `prefix` to the ValueError of a library that only knows its
+    own argument names (`top_p must be in (0, 1]` -> `engine.top_p must be in (0, 1]`)."""
+    try:
+        check()
+    except ValueError as e:
+        raise ValueError(f"{prefix}{e}") from e
+
+
+def _sampling(config: ml_collections.ConfigDict) -> SamplingParams:
+    e = config.engine
+    return SamplingParams(temperature=e.temperature, top_k=e.top_k, top_p=e.top_p)
+
+
+def _longtail_task(config: ml_collections.ConfigDict) -> LongTailTask:
+    return LongTailTask(**{k: v for k, v in config.task.items() if k != "demonstration_noise"})
 
 
 def _check_training_group(value: str, generation_hosts: Sequence[str], train_devices: int) -> None:
@@ -188,8 +282,7 @@ class TaskData:
 
 def load_task(config: ml_collections.ConfigDict) -> TaskData:
     if config.data.source == "longtail":
-        task_fields = {k: v for k, v in config.task.items() if k != "demonstration_noise"}
-        task = LongTailTask(**task_fields)
+        task = _longtail_task(config)
         train = task.rows("train", 20_000, seed=config.seed)
         heldout = memory_rows(task.rows("heldout", config.eval.num_prompts, config.seed + 1))
         demos = task.demonstrations(
@@ -295,6 +388,11 @@ def warm_up(
     steps = config.sft.steps
     if not data.demonstrations or steps == 0:
         return model
+    if config.sft.batch_size > len(data.demonstrations):
+        raise ValueError(
+            f"sft.batch_size={config.sft.batch_size}: more than the task's "
+            f"{len(data.demonstrations)} demonstrations (a batch draws without replacement)"
+        )
     tok = data.tokenizer
     examples = [
         (tok.encode(prompt), tok.encode(response) + [tok.eos_id])
@@ -390,14 +488,11 @@ def evaluate(
 
 
 def _engine_settings(config: ml_collections.ConfigDict, eos_id: int) -> dict[str, Any]:
-    sampling = SamplingParams(
-        temperature=config.engine.temperature, top_k=config.engine.top_k, top_p=config.engine.top_p
-    )
     return {
         "max_concurrent_decodes": config.engine.slots,
         "max_prefill_length": config.data.max_prompt_len,
         "max_decode_length": config.engine.max_decode_length,
-        "sampling": sampling,
+        "sampling": _sampling(config),
         "eos_ids": (eos_id,),
     }
 
@@ -474,6 +569,8 @@ def _train_and_evaluate(
     runner = RewardRunner(get_reward(config.reward.name), timeout_s=config.reward.timeout_s)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
     latest = checkpointer.latest_step()
+    if latest is not None:  # before anything of the saved run is restored or cut back
+        check_same_run(checkpointer.read_meta(latest).get("config"), config, workdir)
     model = load_policy(config, data.tokenizer.vocab_size)
     if latest is None:
         model = warm_up(config, model, data, settings.plan.train_mesh, progress, group)
@@ -534,6 +631,7 @@ def _train_and_evaluate(
         state = trainer.state
         checkpoint_meta = {
             **meta,
+            "config": run_defining_fields(config),
             "seed": config.seed,
             "rollout": rollout_state,
             "trainer": {k: int(v) for k, v in state.items() if k not in _TRAIN_ARRAYS},
@@ -605,6 +703,11 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
     """`dora-jax eval`: held-out pass@1 / pass@k of the newest checkpoint in `workdir` (or of
     the starting policy when there is none yet)."""
     settings = validate(config)
+    if not os.path.isdir(workdir):
+        raise FileNotFoundError(
+            f"--workdir={workdir} does not exist: name a training run's workdir (an existing "
+            "directory without checkpoints evaluates the starting policy)"
+        )
     data = load_task(config)
     model = load_policy(config, data.tokenizer.vocab_size)
     engine = make_engines(config, model, settings.plan, data.tokenizer.eos_id)[0]
@@ -612,6 +715,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
     latest = checkpointer.latest_step()
     params = engine.load_params(version=0)
     if latest is not None:
+        saved = checkpointer.read_meta(latest).get("config")
+        check_same_run(saved, config, workdir, prefixes=("model.",))
         trainer = Trainer(model, settings.train, settings.plan.train_mesh, reference_model=model)
         restored = checkpointer.restore(
             latest, train_state_like=_train_arrays(trainer.state), data_iterator=None
@@ -621,6 +726,54 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
     runner = RewardRunner(get_reward(config.reward.name), timeout_s=config.reward.timeout_s)
     scores = evaluate(engine, params, heldout_records(config, data), config, runner, data.tokenizer)
     return {"version": float(latest or 0), **scores}
+
+
+# Fields a resumed run may change: where it runs, how long, what it evaluates and keeps. Any
+# other difference (model, data, reward, sampling, rollout rules, trainer) would continue the
+# saved run as another one, from a ledger cut back to the checkpoint.
+_RESUMABLE_CHANGES = (
+    "compilation_cache_dir", "num_cpu_devices", "rollout.num_iterations", "runtime.", "eval.",
+    "checkpoint.", "sft.", "engine.slots",
+)  # fmt: skip
+
+
+def run_defining_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The config's fields as {"section.field": value} (JSON values), less those a resumed
+    run may change: saved with each checkpoint, compared on resume."""
+    flat = {}
+    for key, value in json.loads(config.to_json()).items():
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        for field, v in items:
+            name = key if field is None else f"{key}.{field}"
+            if not name.startswith(_RESUMABLE_CHANGES):
+                flat[name] = v
+    return flat
+
+
+def check_same_run(
+    saved: dict[str, Any] | None,
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    prefixes: tuple[str, ...] = ("",),
+) -> None:
+    """Refuses to continue (or evaluate) the run saved in `workdir` under another config: a
+    different model shape would fail deep in orbax, a different group size or mode would
+    stall the resumed rollout after cutting the saved run's ledger back. Checkpoints from
+    before configs were saved (`saved` None) are not checked."""
+    if saved is None:
+        return
+    now = run_defining_fields(config)
+    differ = sorted(
+        k
+        for k in saved.keys() | now.keys()
+        if k.startswith(prefixes) and saved.get(k) != now.get(k)
+    )
+    if differ:
+        changes = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in differ)
+        raise ValueError(
+            f"{workdir} holds a run saved under another config ({changes}); continue it with "
+            "the same settings, or start this one in a new workdir"
+        )
 
 
 _TRAIN_ARRAYS = ("params", "opt_state", "reference")  # the reference only with a KL penalty
@@ -648,7 +801,8 @@ def _prompt_dataset(
     )
 
 
-def _percent(accuracy: float | None) -> str:
+def format_accuracy(accuracy: float | None) -> str:
+    """A pass rate as a percentage, or "n/a" for a run without held-out evaluation."""
     return "n/a" if accuracy is None else f"{100 * accuracy:.1f}%"
 
 
@@ -659,6 +813,6 @@ def _write_summary(workdir: str, summary: dict[str, Any], records: Sequence[dict
         records,
         os.path.join(workdir, "summary.png"),
         title=f"dora_jax {summary['mode']}: held-out pass@1 "
-        f"{_percent(summary['heldout_accuracy_before'])} -> "
-        f"{_percent(summary['heldout_accuracy_after'])}",
+        f"{format_accuracy(summary['heldout_accuracy_before'])} -> "
+        f"{format_accuracy(summary['heldout_accuracy_after'])}",
     )

@@ -41,9 +41,12 @@ def _train(argv: list[str]) -> None:
     from dora_jax import app_lib
 
     summary = app_lib.train_and_evaluate(config, _WORKDIR.value)
+    before, after = (
+        app_lib.format_accuracy(summary[k])
+        for k in ("heldout_accuracy_before", "heldout_accuracy_after")
+    )
     print(
-        f"held-out pass@1 {summary['heldout_accuracy_before']:.3f} -> "
-        f"{summary['heldout_accuracy_after']:.3f} in {summary['iterations']} iterations, "
+        f"held-out pass@1 {before} -> {after} in {summary['iterations']} iterations, "
         f"{summary['wall_time_s']:.0f}s; outputs in {_WORKDIR.value}"
     )
 

@@ -285,6 +285,16 @@ def run_bench(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict
     only (`cpu_cores_lib`); 0 leaves everything in this process, on every core.
     """
     configs = rollout_configs(config)
+    minima = {
+        "repeats": (config.repeats, 1),
+        "warmup_iterations": (config.warmup_iterations, 0),
+        "engine.slots": (config.engine.slots, 1),
+    }
+    for field, (value, least) in minima.items():
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"{field}={value!r}: must be an integer >= {least}")
+    for rollout_config in configs.values():  # a bad train field fails now, not after compiling
+        train_config(rollout_config, config.train)
     runtime = config.runtime.to_dict()
     if runtime.pop("generation_hosts") not in ("", "local"):
         raise ValueError("runtime.generation_hosts: the bench runs '' or 'local' hosts only")

@@ -97,6 +97,11 @@ class Checkpointer:
         out = self._manager.restore(step, args=ocp.args.Composite(**items))
         return Restored(step, out["train_state"], dict(out["meta"]))
 
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """The JSON meta of `step` alone: what a caller checks before restoring any array."""
+        out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out["meta"])
+
     def wait(self) -> None:
         """Blocks until pending async saves are on disk."""
         self._manager.wait_until_finished()

@@ -19,6 +19,7 @@ from dora_jax import app_lib, models
 from dora_jax.data import LongTailTask
 from dora_jax.rollout import audit_lib
 from dora_jax.runtime import hosts_lib
+from dora_jax.train.checkpoint_lib import Checkpointer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,6 +43,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("runtime", "generation_hosts", "a:7100,b:7100", "runtime.generation_hosts"),
         # Only `dora-jax train` joins a training group, before validating.
         ("runtime", "training_hosts", "local:1", "runtime.training_hosts"),
+        ("data", "on_bad_row", "ignore", "data.on_bad_row"),
+        ("data", "max_prompt_len", 0, "data.max_prompt_len"),
+        ("data", "template", "{question}", "data.template"),
+        ("data", "source", "files", "data.train_files"),
+        ("engine", "temperature", -1.0, "engine.temperature"),
+        ("engine", "top_p", 2.0, "engine.top_p"),
+        ("engine", "top_k", -5, "engine.top_k"),
+        ("task", "modulus", 4, "task.modulus"),
+        ("sft", "batch_size", 0, "sft.batch_size"),
+        ("eval", "num_prompts", 0, "eval.num_prompts"),
+        ("eval", "samples_per_prompt", 0, "eval.samples_per_prompt"),
+        ("checkpoint", "every", -1, "checkpoint.every"),
+        ("checkpoint", "keep", 0, "checkpoint.keep"),
     ],
 )
 def test_bad_config_fails_at_start_naming_the_field(section, field, value, named):
@@ -49,6 +63,55 @@ def test_bad_config_fails_at_start_naming_the_field(section, field, value, named
     config[section][field] = value
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):
         app_lib.validate(config)
+
+
+def test_files_need_the_checkpoint_that_tokenizes_them():
+    config = default.get_config()
+    config.data.update(source="files", train_files="train.jsonl")
+    with pytest.raises(ValueError, match=r"model\.checkpoint"):
+        app_lib.validate(config)
+
+
+@pytest.mark.parametrize(
+    "section,misspelled",
+    [("data", "max_prompt_length"), ("engine", "temprature"), ("model", "num_layer"),
+     ("checkpoint", "evry"), (None, "num_iteration")],
+)  # fmt: skip
+def test_a_misspelled_field_in_a_config_file_is_refused(section, misspelled):
+    """`--config.x=` overrides of unknown fields fail in absl; a config file's would be ignored
+    (the default used in silence) if `validate` did not compare every section with its fields."""
+    config = default.get_config()
+    (config if section is None else config[section])[misspelled] = 1
+    named = misspelled if section is None else f"{section}.{misspelled}"
+    with pytest.raises(ValueError, match=rf"unknown config field.*'{named}'"):
+        app_lib.validate(config)
+
+
+def test_resuming_under_another_config_is_refused_before_the_ledger_is_cut(tmp_path):
+    config = default.get_config()
+    checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
+    meta = {"config": app_lib.run_defining_fields(config)}
+    checkpointer.save(3, train_state={"w": np.zeros(2)}, data_iterator=None, meta=meta)
+    checkpointer.close()
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text('{"event": "start"}\n{"event": "dispatch"}\n')
+    config.rollout.group_size = 4
+    config.rollout.num_iterations = 600  # may change: running on for longer is a resume
+    with pytest.raises(ValueError, match=r"another config \(rollout\.group_size: 8 -> 4\)"):
+        app_lib.train_and_evaluate(config, str(tmp_path), progress=False)
+    assert ledger.read_text() == '{"event": "start"}\n{"event": "dispatch"}\n'
+    config.rollout.group_size = 8
+    app_lib.check_same_run(meta["config"], config, str(tmp_path))  # only num_iterations moved
+    config.model.hidden_size = 32  # evaluation checks the model's fields only
+    app_lib.check_same_run(meta["config"], config, str(tmp_path), prefixes=("data.",))
+    with pytest.raises(ValueError, match=r"model\.hidden_size: 64 -> 32"):
+        app_lib.check_same_run(meta["config"], config, str(tmp_path), prefixes=("model.",))
+
+
+def test_eval_refuses_a_workdir_that_does_not_exist(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        app_lib.evaluate_checkpoint(default.get_config(), str(tmp_path / "no_such_run"))
+    assert not (tmp_path / "no_such_run").exists()
 
 
 @pytest.mark.parametrize(

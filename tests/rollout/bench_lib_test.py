@@ -156,6 +156,23 @@ def test_a_bad_variant_fails_before_anything_runs_naming_it(modes, variant, mess
         bench_lib.rollout_configs(config)
 
 
+@pytest.mark.parametrize(
+    "section, field, value, named",
+    [
+        (None, "repeats", 0, "repeats=0"),
+        (None, "warmup_iterations", -1, "warmup_iterations=-1"),
+        ("engine", "slots", 0, "engine.slots=0"),
+        ("train", "micro_batch_size", 5, "micro_batch_size"),  # TBS 8 is not a multiple of it
+    ],
+)
+def test_a_bad_bench_field_fails_before_anything_is_built(tmp_path, section, field, value, named):
+    config = tiny_config()
+    (config if section is None else config[section])[field] = value
+    with pytest.raises(ValueError, match=named):
+        bench_lib.run_bench(config, str(tmp_path))
+    assert not os.listdir(tmp_path)  # no engine, trainer or run directory was made
+
+
 def test_precompile_covers_every_admission_shape_for_any_slot_count_and_decode_call():
     # 3 slots: a full admission pads its rows to 4, more rows than slots.
     engine = Engine(
