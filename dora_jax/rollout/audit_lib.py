@@ -1,7 +1,11 @@
 """`dora-jax audit WORKDIR`: re-checks C1-C3 from the ledger alone and reports length bias.
 
 Independent of the runtime on purpose: it trusts nothing but `ledger.jsonl`, so a bug in the
-orchestrator's own bookkeeping cannot hide a lost, duplicated or too-stale sample.
+orchestrator's own bookkeeping cannot hide a lost, duplicated or too-stale sample. Besides
+C1-C3 it checks that the run `completed`: a crashed run's ledger still ends with an `end`
+event (the runner writes it on the way out), whose `stopped` says so, and it is no clean run.
+A ledger that cannot be read (missing, cut off mid-write, an event without a key) is a
+failure too: `main` prints the reason, naming the file and line, instead of auditing part of it.
 """
 
 from __future__ import annotations
@@ -49,21 +53,31 @@ class AuditReport:
     queued_at_end: int
     trained_lengths: LengthStats
     finished_lengths: LengthStats
+    # How the run stopped (`end.stopped`; a ledger from before that key reads as completed)
+    # and the iterations it was asked for (`end.num_iterations`, None where not written).
+    stopped: str = ledger_lib.COMPLETED
+    num_iterations: int | None = None
 
     @property
     def passed(self) -> bool:
         return all(self.rules.values())
 
     def format(self) -> str:
-        lines = [f"audit of a {self.mode!r} run: {'PASS' if self.passed else 'FAIL'}"]
+        head = f"audit of a {self.mode!r} run: {'PASS' if self.passed else 'FAIL'}"
+        if self.stopped != ledger_lib.COMPLETED:
+            # First line, not only under its rule: every other number below describes a run
+            # cut short.
+            head += f" (the run did not complete: {self.stopped})"
+        lines = [head]
         for rule, ok in self.rules.items():
             lines.append(f"  {rule}: {'pass' if ok else 'FAIL'}")
             lines += [f"    - {p}" for p in self.problems[rule][:10]]
             if len(self.problems[rule]) > 10:
                 lines.append(f"    ... {len(self.problems[rule]) - 10} more")
+        planned = "" if self.num_iterations is None else f" of {self.num_iterations}"
         lines.append(
             f"  samples: {self.dispatched} dispatched, {self.trained} trained in "
-            f"{self.iterations} iterations, {self.in_flight_at_end} in flight and "
+            f"{self.iterations}{planned} iterations, {self.in_flight_at_end} in flight and "
             f"{self.queued_at_end} queued at the end"
         )
         lines.append(
@@ -79,7 +93,13 @@ class AuditReport:
 
 
 def audit_events(events: list[dict[str, Any]]) -> AuditReport:
-    problems: dict[str, list[str]] = {"C1": [], "C2": [], "C3": []}
+    """Audits a ledger's events; raises `ledger_lib.LedgerError` for one the audit cannot read."""
+    for i, e in enumerate(events):
+        try:
+            ledger_lib.check_event(e)
+        except ledger_lib.LedgerError as err:
+            raise ledger_lib.LedgerError(f"event {i}: {err}") from None
+    problems: dict[str, list[str]] = {"C1": [], "C2": [], "C3": [], "completed": []}
     starts = [e for e in events if e["event"] == "start"]
     ends = [e for e in events if e["event"] == "end"]
     dispatches = [e for e in events if e["event"] == "dispatch"]
@@ -143,6 +163,20 @@ def audit_events(events: list[dict[str, Any]]) -> AuditReport:
         if tbs is not None and n != tbs:
             problems["C3"].append(f"iteration {it} trained {n} samples, TBS={tbs}")
 
+    # completed: the run stopped on its own, after every iteration it was asked for.
+    stopped = end.get("stopped", ledger_lib.COMPLETED)
+    num_iterations = end.get("num_iterations")
+    trained_iters = len(per_iter)
+    of = "" if num_iterations is None else f" of {num_iterations}"
+    if stopped != ledger_lib.COMPLETED:
+        problems["completed"].append(
+            f"the run stopped early after {trained_iters}{of} iterations: {stopped}"
+        )
+    elif num_iterations is not None and trained_iters < num_iterations:
+        problems["completed"].append(
+            f"the end event says completed, but {trained_iters}{of} iterations were trained"
+        )
+
     trained_lengths = [e["response_length"] for e in trains]
     finished_lengths = trained_lengths + list(end.get("queued_response_lengths", []))
     return AuditReport(
@@ -159,6 +193,8 @@ def audit_events(events: list[dict[str, Any]]) -> AuditReport:
         queued_at_end=len(queued),
         trained_lengths=LengthStats.of(trained_lengths),
         finished_lengths=LengthStats.of(finished_lengths),
+        stopped=stopped,
+        num_iterations=num_iterations,
     )
 
 
@@ -168,7 +204,12 @@ def audit(workdir: str) -> AuditReport:
 
 
 def main(workdir: str) -> int:
-    """Prints the audit of `workdir` and returns the process exit code (1 if a rule fails)."""
-    report = audit(workdir)
+    """Prints the audit of `workdir` and returns the process exit code: 1 if a rule fails or
+    the ledger cannot be read (one line naming the file, and the line, instead of a traceback)."""
+    try:
+        report = audit(workdir)
+    except ledger_lib.LedgerError as e:
+        print(f"audit of {workdir}: FAIL: {e}")
+        return 1
     print(report.format())
     return 0 if report.passed else 1

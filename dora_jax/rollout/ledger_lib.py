@@ -3,21 +3,33 @@
 Events (issue 5): `start` (the bounds the audit checks against, so it needs nothing but the
 file), `dispatch` when a sample starts decoding (again, with the same key, when a failed
 instance's sample is regenerated), `train` when a sample is trained (its step done, the new
-version taken up), `end` when the run stops with what was still in flight and what sat
-finished, untrained (in the trajectory queue, or handed to a trainer that did not finish its
-step). Lines are written
-in the orchestrator's logical order, so the same config and seed give a byte-identical file.
+version taken up), `end` when the run stops with how it stopped (`"completed"`, or the error
+that ended it: the runner writes `end` on the way out of a crash too), the iterations it was
+asked for, what was still in flight and what sat finished, untrained (in the trajectory
+queue, or handed to a trainer that did not finish its step). Lines are written in
+the orchestrator's logical order, so the same config and seed give a byte-identical file.
+
+`read` accepts only what `Ledger` writes: a missing file, a line that is not JSON (the last
+one cut off by a crash mid-write, say) or an event without a key the audit reads raises
+`LedgerError` naming the file and line, so no ledger is audited in part. Ledgers from before
+`end.stopped` and `end.num_iterations` existed read as they always did.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from dora_jax.rollout.trajectory_lib import Trajectory
 
 LEDGER_FILE = "ledger.jsonl"
+COMPLETED = "completed"  # `end.stopped` of a run that trained every iteration it was asked for
+
+
+class LedgerError(ValueError):
+    """A ledger that cannot be audited: missing, cut off, or not in the format `Ledger` writes."""
 
 
 class Ledger:
@@ -89,24 +101,135 @@ class Ledger:
         self,
         in_flight: list[tuple[int, int]],
         queued: list[Trajectory],
+        *,
+        stopped: str = COMPLETED,
+        num_iterations: int | None = None,
     ) -> None:
-        self._write(
-            {
-                "event": "end",
-                "in_flight": [list(k) for k in in_flight],
-                "queued": [list(t.key) for t in queued],
-                # Lengths of the finished-but-untrained samples, for the audit's length bias.
-                "queued_response_lengths": [len(t.response_tokens) for t in queued],
-            }
-        )
+        """`stopped`: `COMPLETED`, or what ended the run (e.g. the exception's type and
+        message). `num_iterations`: what the run was asked for, so the audit can tell a run that
+        trained all of it from one cut short; here, not in `start`, because a resumed run may
+        be asked for more (or fewer) than the run it continues. Left out when None."""
+        if not isinstance(stopped, str) or not stopped:
+            raise ValueError(f"stopped must be a non-empty string, got {stopped!r}")
+        event: dict[str, Any] = {"event": "end", "stopped": stopped}
+        if num_iterations is not None:
+            if not _int(num_iterations) or num_iterations < 0:
+                raise ValueError(f"num_iterations must be an int >= 0, got {num_iterations!r}")
+            event["num_iterations"] = num_iterations
+        event["in_flight"] = [list(k) for k in in_flight]
+        event["queued"] = [list(t.key) for t in queued]
+        # Lengths of the finished-but-untrained samples, for the audit's length bias.
+        event["queued_response_lengths"] = [len(t.response_tokens) for t in queued]
+        self._write(event)
 
     def close(self) -> None:
         self._file.close()
 
 
-def read(workdir_or_path: str) -> list[dict[str, Any]]:
+# -- reading --------------------------------------------------------------------------------
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is no sample id
+
+
+def _keys(v: Any) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(k, list) and len(k) == 2 and all(_int(x) for x in k) for k in v
+    )
+
+
+_Field = tuple[Callable[[Any], bool], str]
+_INT: _Field = (_int, "an integer")
+_STR: _Field = (lambda v: isinstance(v, str), "a string")
+_NUM: _Field = (lambda v: _int(v) or isinstance(v, float), "a number")
+_KEYS: _Field = (_keys, "a list of [prompt_id, sample_index] pairs")
+_INTS: _Field = (lambda v: isinstance(v, list) and all(_int(x) for x in v), "a list of integers")
+_IDS = {"prompt_id": _INT, "sample_index": _INT, "version": _INT, "iteration": _INT}
+
+# Every key the audit reads, per event kind. Checked up front so that a malformed ledger is a
+# clear error at its line, not a KeyError or TypeError deep inside the audit.
+_REQUIRED: dict[str, dict[str, _Field]] = {
+    "start": {"mode": _STR, "staleness_bound": _INT, "train_batch_size": _INT, "group_size": _INT},
+    "dispatch": _IDS,
+    "train": _IDS
+    | {
+        "first_token_version": _INT,
+        "last_token_version": _INT,
+        "trainer_version": _INT,
+        "staleness": _INT,
+        "response_length": _INT,
+        "reward": _NUM,
+    },
+    "end": {"in_flight": _KEYS, "queued": _KEYS},
+}
+# Keys that older ledgers lack: checked only when present.
+_OPTIONAL: dict[str, dict[str, _Field]] = {
+    "end": {"stopped": _STR, "num_iterations": _INT, "queued_response_lengths": _INTS},
+}
+
+
+def check_event(event: Any) -> None:
+    """Raises `LedgerError` unless `event` has every key the audit reads, each of its type."""
+    if not isinstance(event, dict):
+        raise LedgerError(f"not a JSON object: {event!r:.80}")
+    kind = event.get("event")
+    if kind not in _REQUIRED:
+        raise LedgerError(f"unknown event kind {kind!r} (expected one of {', '.join(_REQUIRED)})")
+    missing = [key for key in _REQUIRED[kind] if key not in event]
+    if missing:
+        raise LedgerError(f"{kind} event lacks {', '.join(map(repr, missing))}")
+    for key, (ok, expected) in (_REQUIRED[kind] | _OPTIONAL.get(kind, {})).items():
+        if key in event and not ok(event[key]):
+            raise LedgerError(f"{kind} event: {key!r} is {event[key]!r:.80}, expected {expected}")
+
+
+def _load(workdir_or_path: str) -> tuple[str, bytes]:
     path = workdir_or_path
     if os.path.isdir(path):
         path = os.path.join(path, LEDGER_FILE)
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    elif not os.path.exists(path):
+        raise LedgerError(f"{path}: no such workdir or ledger file")
+    try:
+        with open(path, "rb") as f:
+            return path, f.read()
+    except FileNotFoundError:
+        raise LedgerError(f"{path}: no ledger in this workdir (did a run write to it?)") from None
+    except OSError as e:
+        raise LedgerError(f"{path}: cannot read the ledger ({e.strerror})") from None
+
+
+def read(workdir_or_path: str) -> list[dict[str, Any]]:
+    """The events of `workdir/ledger.jsonl` (or of the ledger file named), checked.
+
+    Raises `LedgerError`, naming the file and the 1-based line, for a missing file, a line
+    that is not JSON or an event that lacks a key (see `check_event`). Blank lines are skipped.
+    """
+    path, data = _load(workdir_or_path)
+    # `Ledger` ends every line with a newline, so the piece after the last one is empty
+    # unless a write was cut off: such a line is reported as what a crash leaves, not as a
+    # JSON syntax error. (Cut exactly before its newline, the object is whole and accepted.)
+    lines = data.split(b"\n")
+    events = []
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        where = f"{path}, line {number}"
+        try:
+            event = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise LedgerError(f"{where}: not UTF-8 text") from None
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                raise LedgerError(
+                    f"{where}: the last line is cut off (no newline, not valid JSON): the "
+                    "run stopped in the middle of writing it"
+                ) from None
+            # Column within the line: the decoder's own "line 1" would count from this line.
+            raise LedgerError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        try:
+            check_event(event)
+        except LedgerError as e:
+            raise LedgerError(f"{where}: {e}") from None
+        events.append(event)
+    return events

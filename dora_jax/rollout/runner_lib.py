@@ -129,12 +129,16 @@ class Rollout:
 
     def run(self) -> list[dict[str, float]]:
         """Runs until `num_iterations` batches are trained; returns per-iteration metrics."""
+        stopped = ledger_lib.COMPLETED
         try:
             while self.window.newest < self.config.num_iterations:
                 self._turn()
+        except BaseException as e:  # the ledger says how the run ended, the error goes on
+            stopped = f"{type(e).__name__}: {e}"
+            raise
         finally:
             self._executor.shutdown(wait=True)
-            self._stop()
+            self._stop(stopped)
         return self.metrics
 
     def _turn(self) -> None:
@@ -537,10 +541,15 @@ class Rollout:
 
     # -- end of run ---------------------------------------------------------------------------
 
-    def _stop(self) -> None:
+    def _stop(self, stopped: str) -> None:
         in_flight = sorted(self.unfinished)
         handed_over = [t for job in self._jobs for t in job.batch]  # not trained, as published
-        self.ledger.end(in_flight, self.queue.queued() + handed_over)
+        self.ledger.end(
+            in_flight,
+            self.queue.queued() + handed_over,
+            stopped=stopped,
+            num_iterations=self.config.num_iterations,
+        )
         self.ledger.close()
         self.telemetry.close_all(self.trace.now_us())
         self.trace.save(os.path.join(self.workdir, "trace.json"))

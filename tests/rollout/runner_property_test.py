@@ -325,3 +325,6 @@ def test_a_training_step_that_raises_leaves_its_batch_untrained_in_the_ledger(tm
     report = audit_lib.audit(str(tmp_path))
     assert report.rules["C2"], report.format()
     assert report.queued_at_end >= 4  # at least the batch whose step raised
+    # Nothing lost, and still no clean run: the end event says how it stopped.
+    assert not report.passed and report.stopped == "RuntimeError: injected step failure"
+    assert report.num_iterations == 5
