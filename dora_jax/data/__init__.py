@@ -1,7 +1,12 @@
 """Input side of a run: tokenizers, prompt templates, grain prompt pipelines, built-in task."""
 
 from dora_jax.data.longtail_task import LongTailTask, length_stats
-from dora_jax.data.pipeline_lib import BadRowError, PromptIterator, prompt_dataset
+from dora_jax.data.pipeline_lib import (
+    BadRowError,
+    NoUsableRowsError,
+    PromptIterator,
+    prompt_dataset,
+)
 from dora_jax.data.source_lib import RowSource, memory_rows, open_files
 from dora_jax.data.template_lib import ChatTemplate, FormatTemplate, PromptTemplate, make_template
 from dora_jax.data.tokenizer_lib import Tokenizer, char_tokenizer, load_tokenizer
@@ -11,6 +16,7 @@ __all__ = [
     "ChatTemplate",
     "FormatTemplate",
     "LongTailTask",
+    "NoUsableRowsError",
     "PromptIterator",
     "PromptTemplate",
     "RowSource",

@@ -4,12 +4,15 @@ A real grain pipeline (`MapDataset` -> shuffle(seed) -> repeat(epochs) -> map ->
 `IterDataset`), so its position is a grain iterator state that the checkpointer saves and a
 resumed run continues from exactly.
 
-Malformed rows (missing field, wrong type, undecodable text, invalid JSON) and prompts longer
-than `max_prompt_len` tokens are never dropped silently and never crash a reader thread: the map
-step turns them into a bad-row marker, and the last stage either stops the run with an error
-naming the file, row and field (`on_bad_row="error"`) or skips them, logging each one and
-counting it by reason (`on_bad_row="skip"`). The counts are part of the iterator state, so they
-survive a resume without double counting.
+Malformed rows (missing field, wrong type, undecodable text, invalid JSON), prompts that
+tokenize to no token at all (the engine rejects them) and prompts longer than `max_prompt_len`
+tokens are never dropped silently and never crash a reader thread: the map step turns them into
+a bad-row marker, and the last stage either stops the run with an error naming the file, row
+and field (`on_bad_row="error"`) or skips them, logging each one and counting it by reason
+(`on_bad_row="skip"`). The counts are part of the iterator state, so they
+survive a resume without double counting. Whether a row is usable depends on the row alone, so a
+whole epoch without a usable row means no row will ever be usable: skipping then stops with a
+`NoUsableRowsError` instead of reading the repeated data forever.
 
 Each prompt record is a dict:
   * `prompt_id`: `epoch * num_rows + row_index` - stable for a given file list and seed, and
@@ -23,6 +26,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import grain
@@ -38,6 +42,10 @@ _log = logging.getLogger(__name__)
 
 class BadRowError(ValueError):
     """A malformed row under `on_bad_row="error"`; the message names file, row and field."""
+
+
+class NoUsableRowsError(ValueError):
+    """A whole pass over the data yielded no usable row; the message names the files and counts."""
 
 
 class _Bad(Exception):
@@ -94,6 +102,12 @@ class _Prepare:
         try:
             prompt, answer = _fields(row.payload, self.prompt_field, self.answer_field)
             tokens = self.tokenizer.encode(self.template.render(prompt))
+            if not tokens:  # the engine cannot prefill a prompt without a token
+                raise _Bad(
+                    "empty_prompt",
+                    self.prompt_field,
+                    "prompt is empty: it has 0 tokens after the template and the tokenizer",
+                )
             if len(tokens) > self.max_prompt_len:
                 raise _Bad(
                     "prompt_too_long",
@@ -102,8 +116,9 @@ class _Prepare:
                     f"{self.max_prompt_len}",
                 )
         except _Bad as bad:
+            # `index` (the position in the repeated stream) tells the iterator where epochs end.
             return {"bad": bad.reason, "file": row.file, "row": row.row, "field": bad.field,
-                    "detail": bad.detail}  # fmt: skip
+                    "detail": bad.detail, "index": index}  # fmt: skip
         epoch = index // self.num_rows
         return {
             "prompt_id": epoch * self.num_rows + row.index,
@@ -117,40 +132,76 @@ class PromptIterator(grain.DatasetIterator):
     """Yields good prompt records; skips-and-counts or raises on bad rows.
 
     `skipped` maps a reason (`missing_field`, `wrong_type`, `undecodable`, `invalid_json`,
-    `prompt_too_long`) to how many rows were skipped for it; it is saved in the state.
+    `empty_prompt`, `prompt_too_long`) to how many rows were skipped for it; it is saved in the
+    state. Skipping raises `NoUsableRowsError` at the end of an epoch that yielded no good row.
     """
 
-    def __init__(self, parent: grain.DatasetIterator, on_bad_row: str):
+    def __init__(
+        self,
+        parent: grain.DatasetIterator,
+        on_bad_row: str,
+        *,
+        num_rows: int,
+        files: Sequence[str],
+    ):
         super().__init__(parent)
         self._on_bad_row = on_bad_row
+        self._num_rows, self._files = num_rows, tuple(files)
         self.skipped: collections.Counter[str] = collections.Counter()
+        # The newest epoch that yielded a good row (-1: none yet). It is part of the state, so
+        # an epoch cut by a checkpoint is judged whole after the resume.
+        self._last_good_epoch: int | None = -1
 
     def __next__(self) -> dict:
         while True:
             element = next(self._parent)
             if "bad" not in element:
+                self._last_good_epoch = element["prompt_id"] // self._num_rows
                 return element
             where = f"{element['file']} row {element['row']} field {element['field']!r}"
             if self._on_bad_row == "error":
                 raise BadRowError(f"bad data row: {where}: {element['detail']}")
             self.skipped[element["bad"]] += 1
             _log.warning("skipping bad data row: %s: %s", where, element["detail"])
+            self._check_epoch_end(element["index"])
+
+    def _check_epoch_end(self, index: int) -> None:
+        epoch = index // self._num_rows
+        if self._last_good_epoch is None:  # restored from a state that predates the field:
+            self._last_good_epoch = epoch  # unknown, so this epoch is given the benefit
+        if index % self._num_rows == self._num_rows - 1 and self._last_good_epoch < epoch:
+            counts = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items()))
+            raise NoUsableRowsError(
+                f"no usable row in a whole pass over the {self._num_rows} rows of data files "
+                f"{list(self._files)}: every row is bad and skipped (on_bad_row='skip'), so "
+                f"training would wait forever; rows skipped so far by reason: {counts}"
+            )
 
     def get_state(self) -> dict:
-        return {"parent": self._parent.get_state(), "skipped": dict(self.skipped)}
+        return {
+            "parent": self._parent.get_state(),
+            "skipped": dict(self.skipped),
+            "last_good_epoch": self._last_good_epoch,
+        }
 
     def set_state(self, state: dict) -> None:
         self._parent.set_state(state["parent"])
         self.skipped = collections.Counter(state["skipped"])
+        self._last_good_epoch = state.get("last_good_epoch")
 
 
 class _PromptDataset(grain.IterDataset):
-    def __init__(self, parent: grain.IterDataset, on_bad_row: str):
+    def __init__(self, parent: grain.IterDataset, on_bad_row: str, source: RowSource):
         super().__init__(parent)
-        self._on_bad_row = on_bad_row
+        self._on_bad_row, self._source = on_bad_row, source
 
     def __iter__(self) -> PromptIterator:
-        return PromptIterator(self._parent.__iter__(), self._on_bad_row)
+        return PromptIterator(
+            self._parent.__iter__(),
+            self._on_bad_row,
+            num_rows=len(self._source),
+            files=self._source.files,
+        )
 
 
 def prompt_dataset(
@@ -169,6 +220,7 @@ def prompt_dataset(
     """The prompt stream; `iter()` of it is a `PromptIterator` (checkpointable, with `skipped`).
 
     `num_epochs=None` repeats forever; each epoch is a fresh permutation derived from `seed`.
+    Under `on_bad_row="skip"`, an epoch without a usable row raises `NoUsableRowsError`.
     """
     if on_bad_row not in BAD_ROW_MODES:
         raise ValueError(f"on_bad_row must be one of {BAD_ROW_MODES}, got {on_bad_row!r}")
@@ -180,4 +232,4 @@ def prompt_dataset(
     ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(num_epochs)
     ds = ds.map_with_index(prepare)
     read = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(16, read_threads))
-    return _PromptDataset(ds.to_iter_dataset(read), on_bad_row)
+    return _PromptDataset(ds.to_iter_dataset(read), on_bad_row, source)

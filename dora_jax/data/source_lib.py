@@ -85,6 +85,11 @@ class RowSource:
     def __len__(self) -> int:
         return self._starts[-1]
 
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The file names, in order (what an error about the whole source names)."""
+        return tuple(self._names)
+
     def __getitem__(self, index: int) -> Row:
         if not 0 <= index < len(self):
             raise IndexError(index)
