@@ -80,8 +80,9 @@ class Rollout:
         # Called with each iteration's metrics right after its version is published: the app
         # hangs metrics, progress and checkpoints here.
         self.on_iteration = on_iteration
-        # Every `checkpoint_every` versions the run reaches a barrier (see `_drain`) and hands
-        # `on_checkpoint` its state; `resume` is such a state to continue from.
+        # Every `checkpoint_every` versions, and at the last one, the run reaches a barrier (see
+        # `_checkpoint`) and hands `on_checkpoint` its state; `resume` is such a state to
+        # continue from (the last one's: a run asked for more iterations than it has done).
         self.checkpoint_every = checkpoint_every
         self.on_checkpoint = on_checkpoint
         self._draining = False
@@ -131,7 +132,7 @@ class Rollout:
         """Runs until `num_iterations` batches are trained; returns per-iteration metrics."""
         stopped = ledger_lib.COMPLETED
         try:
-            while self.window.newest < self.config.num_iterations:
+            while self.window.newest < self.config.num_iterations or self._draining:
                 self._turn()
         except BaseException as e:  # the ledger says how the run ended, the error goes on
             stopped = f"{type(e).__name__}: {e}"
@@ -146,13 +147,18 @@ class Rollout:
         triggers: set[str] = set()
         if self._jobs and (self._publish_now or self.tick >= self._publish_tick()):
             self._publish()
-            if self.window.newest >= self.config.num_iterations:
+            every = self.checkpoint_every
+            last = self.window.newest >= self.config.num_iterations
+            # The last version's barrier checkpoints the final policy, for `eval` and for a run
+            # asked to go on: its in-flight samples finish and wait, queued, in the checkpoint.
+            self._draining = bool(every) and (self.window.newest % every == 0 or last)
+            if last and not self._draining:
                 return
             triggers.add("new_version")
-            every = self.checkpoint_every
-            self._draining = bool(every) and self.window.newest % every == 0
         if self._draining and not self.outstanding():
             self._checkpoint()
+            if self.window.newest >= self.config.num_iterations:
+                return
         self._try_train()
         if self.selected < self.config.num_iterations and not self._draining:
             self.paradigm.top_up(self)

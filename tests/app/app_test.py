@@ -254,7 +254,8 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
     for name in ("ledger.jsonl", "trace.json", "summary.json", "summary.png", "metrics.jsonl"):
         assert (workdir / name).exists(), name
     assert any(p.name.startswith("events.out.tfevents") for p in workdir.iterdir())
-    assert [p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()] == ["2"]
+    saved = sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == ["2", "4"]  # every 2 versions, the last one included
     reloaded = models.from_pretrained(str(workdir / "hf_policy"))
     assert reloaded.config.vocab_size == tokenizer.vocab_size
     assert audit_lib.audit(str(workdir)).passed
@@ -264,7 +265,9 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
     assert 0 <= kl[0] < 1e-3  # the reference is the policy RL started from
     assert max(kl) > kl[0]
     scores = app_lib.evaluate_checkpoint(config, str(workdir))  # restores the reference too
-    assert scores["version"] == 2
+    # The last version's checkpoint is the final policy: eval scores what training reported.
+    assert scores["version"] == 4
+    assert scores["pass@1"] == summary["heldout_accuracy_after"]
     on_disk = json.loads((workdir / "summary.json").read_text())
     for key in ("heldout_accuracy_before", "heldout_accuracy_after", "iterations", "wall_time_s",
                 "trained_tokens_per_s"):  # fmt: skip
