@@ -29,10 +29,9 @@ def make_rollout(
     **config,
 ) -> tuple[runner_lib.Rollout, TrainerDouble, list[EngineDouble]]:
     cfg = RolloutConfig(**config)
-    devices = jax.devices()
     engines = [
         EngineDouble(
-            sharding_lib.make_mesh([devices[1 + i % 7]], 1, 1),
+            _instance_mesh(i),
             max_concurrent_decodes=slots,
             fail_after_steps=(fail or {}).get(i),
             fail_after_prefills=(fail_prefill or {}).get(i),
@@ -40,13 +39,7 @@ def make_rollout(
         )
         for i in range(num_instances)
     ]
-    k, _ = runner_lib.paradigms_lib.PARADIGMS[cfg.mode]().bounds(cfg)
-    trainer = TrainerDouble(
-        sharding_lib.make_mesh(devices[:1], 1, 1),
-        train_batch_size=cfg.train_batch_size,
-        group_size=cfg.group_size,
-        staleness_bound=k,
-    )
+    trainer = _trainer(cfg)
     if resume is not None:
         trainer.restore_version(resume["newest"])
     prompts = request_lib.heavy_tail_prompts(
@@ -77,23 +70,33 @@ def bench_schedule(config: ml_collections.ConfigDict, entry: str, workdir: str) 
     is in `workdir`."""
     cfg = bench_lib.rollout_configs(config)[entry]
     w = config.workload
-    devices = jax.devices()
     engines = [
         EngineDouble(
-            sharding_lib.make_mesh([devices[1 + i % (len(devices) - 1)]], 1, 1),
+            _instance_mesh(i),
             max_concurrent_decodes=config.engine.slots,
             max_prefill_length=w.prompt_length + w.max_length,
             max_decode_length=w.max_length,
         )
         for i in range(config.runtime.num_instances)
     ]
+    prompts = bench_lib.workload(config, config.seed, cfg.num_iterations)
+    rollout = runner_lib.Rollout(cfg, engines, _trainer(cfg), prompts, lambda p, t: 0.0, workdir)
+    return bench_lib.schedule_figures(rollout.run())
+
+
+def _instance_mesh(i: int) -> jax.sharding.Mesh:
+    """Instance i's one-device mesh: the devices after the trainer's, in turn (the doubles
+    compute next to nothing, so instances may share one)."""
+    devices = jax.devices()
+    return sharding_lib.make_mesh([devices[1 + i % (len(devices) - 1)]], 1, 1)
+
+
+def _trainer(cfg: RolloutConfig) -> TrainerDouble:
+    """The trainer double on the first device, checking batches against the mode's bound."""
     k, _ = runner_lib.paradigms_lib.PARADIGMS[cfg.mode]().bounds(cfg)
-    trainer = TrainerDouble(
-        sharding_lib.make_mesh(devices[:1], 1, 1),
+    return TrainerDouble(
+        sharding_lib.make_mesh(jax.devices()[:1], 1, 1),
         train_batch_size=cfg.train_batch_size,
         group_size=cfg.group_size,
         staleness_bound=k,
     )
-    prompts = bench_lib.workload(config, config.seed, cfg.num_iterations)
-    rollout = runner_lib.Rollout(cfg, engines, trainer, prompts, lambda pid, toks: 0.0, workdir)
-    return bench_lib.schedule_figures(rollout.run())
