@@ -145,9 +145,11 @@ class Dora(Paradigm):
             r.load(r.instances[move.instance], move.version, source)
 
     def fill_spare(self, r: Rollout) -> None:
-        """Spare slots take new groups for live versions, freshest first, if still trainable."""
+        """Spare slots of instances hosting older live versions take new groups for them,
+        freshest first, while the bound still lets those be trained (DESIGN step 5). The
+        newest version's work is `top_up`'s: RBS outstanding, never more."""
         g = r.config.group_size
-        for version in reversed(r.window.live()):
+        for version in reversed([v for v in r.window.live() if v != r.window.newest]):
             hosts = [x for x in r.healthy() if x.version == version]
             spare = sum(len(x.free()) for x in hosts) - len(r.pending.get(version, ()))
             while spare >= g and prompts_left(r) > 0 and r.window.admits(version, r.selected):

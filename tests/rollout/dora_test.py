@@ -151,3 +151,27 @@ def test_the_trainer_gets_its_next_batch_before_the_last_version_is_taken_up(tmp
     for e in ledger_lib.read(str(tmp_path)):
         if e["event"] == "train":
             assert e["trainer_version"] == e["iteration"]
+
+
+def test_spare_slots_take_older_versions_work_and_the_newest_stays_within_rbs(tmp_path):
+    """DESIGN's steps 1 and 5: the newest version is topped up to RBS outstanding samples, no
+    more, and spare slots of instances hosting older live versions take new groups for those.
+    Many slots for a small RBS: the newest version's instances have spare slots too."""
+    rollout, _, _ = make_rollout(
+        str(tmp_path), mode="dora", num_instances=3, slots=6, group_size=2, train_batch_size=4,
+        rollout_batch_size=8, staleness_bound=6, num_iterations=10, median_length=6, seed=1,
+    )  # fmt: skip
+    after_newest, older = [], []
+    dispatch = rollout.dispatch_group
+
+    def watched(version: int) -> None:
+        dispatch(version)
+        if version == rollout.window.newest:
+            after_newest.append(sum(rollout.outstanding().values()))
+        else:
+            older.append(version)
+
+    rollout.dispatch_group = watched
+    rollout.run()
+    assert after_newest and max(after_newest) <= rollout.rollout_batch_size
+    assert older  # the spare slots of older versions' instances did take work
