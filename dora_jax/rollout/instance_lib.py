@@ -105,7 +105,7 @@ class RolloutInstance:
                 prompt_tokens=tokens,
                 max_new_tokens=request.max_new_tokens - len(request.tokens),
                 ignore_eos=request.prompt.ignore_eos,
-                seed=request.seed,
+                seed=request.prefill_seed(),
                 id=request.key,
             )
             bucket = self.engine.bucket_for(len(tokens))

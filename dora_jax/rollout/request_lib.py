@@ -53,6 +53,17 @@ class Request:
     def max_new_tokens(self) -> int:
         return self.prompt.max_new_tokens[self.sample_index]
 
+    def prefill_seed(self) -> int:
+        """The sampling seed of this request's next prefill. The engine keys token i of a
+        prefill on (seed, i), counting from that prefill; a request re-prefilled after n tokens
+        (`partial`'s weight update) gets a seed of its own for the rest, or its token n + i
+        would be drawn with token i's key, and its behaviour log-probs would not describe how
+        its continuation was really sampled."""
+        if not self.tokens:
+            return self.seed
+        rng = np.random.default_rng([self.seed, len(self.tokens)])
+        return int(rng.integers(2**31))
+
     def record(self, token: int, logprob: float, version: int) -> None:
         self.tokens.append(int(token))
         self.logprobs.append(float(logprob))
