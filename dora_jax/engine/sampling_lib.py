@@ -12,10 +12,14 @@ the same tokens whichever slot, batch or engine it runs in, including after a mi
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+# The smallest sampling temperature taken (see `SamplingParams`).
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +38,13 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        # Below MIN_TEMPERATURE a float32 device may flush the temperature to 0 and sample
+        # greedily while the host thinks it samples; infinity samples uniformly.
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(
+                f"temperature must be 0 (greedy) or finite and >= {MIN_TEMPERATURE}, "
+                f"got {self.temperature}"
+            )
         if int(self.top_k) != self.top_k or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 is off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -87,8 +96,9 @@ def filter_logits(
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
-    """float32 -> uint32 with the same order (sign-magnitude to offset binary)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    """float32 -> uint32 with the same order (sign-magnitude to offset binary). -0.0 becomes
+    +0.0 first: they are equal, and a cut must keep or drop tied tokens together."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, jnp.zeros_like(x), x), jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 

@@ -555,8 +555,9 @@ def test_bad_configuration_and_sampling_values(dense):
         _engine(model, prefill_buckets=(8, 12))
     with pytest.raises(ValueError, match="eos id"):
         _engine(model, eos_ids=[VOCAB])
-    with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=-1)
+    for bad in (-1, 1e-38, float("inf"), float("nan")):  # 1e-38: flushed to 0 on a device
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=bad)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="top_k"):

@@ -114,3 +114,13 @@ def test_sampling_frequencies_follow_the_filtered_distribution():
     np.testing.assert_allclose(
         np.unique(np.round(np.asarray(logprobs), 5)), np.round(np.log([0.375, 0.625]), 5)
     )
+
+
+@pytest.mark.parametrize("top_k, top_p", [(1, 1.0), (0, 0.3)])
+def test_signed_zero_ties_are_kept_together(top_k, top_p):
+    """-0.0 and +0.0 are equal logits: a cut keeps or drops them together, as any tie."""
+    logits = jnp.asarray([[0.0, -0.0, -1.0, -2.0]])
+    out = sampling_lib.filter_logits(
+        logits, jnp.ones(1), jnp.full(1, top_k, jnp.int32), jnp.full(1, top_p)
+    )
+    assert np.isfinite(np.asarray(out[0])).tolist() == [True, True, False, False]
