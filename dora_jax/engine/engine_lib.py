@@ -18,6 +18,7 @@ power of two; generate, insert, export and free each compile once per engine, an
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -460,8 +461,9 @@ class Engine:
         is the host's, so on a small model or a busy host it is most of a step's; the price is
         that a finished slot can only be refilled after the last step. Stops early once no slot
         is decoding; consumes (donates) `decode_state`."""
-        if not isinstance(steps, int) or steps < 1:
+        if _integer(steps) is None or steps < 1:
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
+        steps = int(steps)  # the static argument: np.int64(2) and 2 are one program
         _, version = unwrap_params(params)
         decode_state, data, log_probs = self._generate_steps_jit(params.leaves, decode_state, steps)
         return decode_state, StepResults(data, log_probs, version=version)
@@ -572,9 +574,11 @@ class Engine:
                 raise ValueError(f"{name}: eos id {e} outside [0, {self.config.vocab_size})")
 
     def _check_slots(self, slot: int | Sequence[int]) -> list[int]:
-        slots = [slot] if np.ndim(slot) == 0 else list(slot)
-        slots = [int(s) for s in slots]
-        for s in slots:
+        given = [slot] if np.ndim(slot) == 0 else list(slot)
+        slots = [_integer(s) for s in given]
+        for s, g in zip(slots, given, strict=True):
+            if s is None:
+                raise ValueError(f"slot {g!r} is not an integer")
             if not 0 <= s < self._slots:
                 raise ValueError(f"slot {s} outside [0, max_concurrent_decodes={self._slots})")
         if len(set(slots)) != len(slots):
@@ -802,3 +806,14 @@ def _pack(token, valid, length, finish, version, log_prob):
         [token, valid.astype(jnp.int32), length, finish, version.astype(jnp.int32)], axis=-1
     ).astype(jnp.int32)
     return data, log_prob[:, None].astype(jnp.float32)
+
+
+def _integer(value: Any) -> int | None:
+    """`value` as an int if it is an integer of any kind (Python, numpy), else None: 1.5 is no
+    slot, where int(1.5) would quietly make it slot 1."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

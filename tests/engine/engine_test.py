@@ -538,7 +538,11 @@ def test_bad_input_raises_and_leaves_other_slots_intact(dense):
                     engine.insert(good, ds, 4)
                 with pytest.raises(ValueError, match="outside"):
                     engine.export_slot(ds, -1)
-                ds = engine.insert(good, ds, 2)  # a free slot is fine
+                with pytest.raises(ValueError, match="slot 1.5 is not an integer"):
+                    engine.free_slot(ds, 1.5)  # int(1.5) would quietly free slot 1
+                with pytest.raises(ValueError, match="steps must be a positive integer"):
+                    engine.generate_steps(params, ds, 2.0)
+                ds = engine.insert(good, ds, np.int64(2))  # a free slot is fine, any int type
             ds, result = engine.generate(params, ds)
             result = result.convert_to_numpy()
             out.append((result.tokens[:2].tolist(), result.log_probs[:2, 0].tolist()))
