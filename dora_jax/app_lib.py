@@ -776,7 +776,8 @@ def check_same_run(
         )
 
 
-_TRAIN_ARRAYS = ("params", "opt_state", "reference")  # the reference only with a KL penalty
+# The reference only with a KL penalty, the TIS history only with `train.tis_cap`.
+_TRAIN_ARRAYS = ("params", "opt_state", "reference", "tis_history")
 
 
 def _train_arrays(state: dict[str, Any]) -> dict[str, Any]:

@@ -52,11 +52,13 @@ def _centered(rewards: jax.Array) -> jax.Array:
 
 @register_advantage("grpo")
 def grpo(rewards: jax.Array, config: Any) -> jax.Array:
-    """GRPO: (r - group mean) / (group std + eps), with the unbiased std (as verl and TRL)."""
+    """GRPO: (r - group mean) / (group std + eps), with the unbiased std (as verl and TRL).
+    A group whose rewards are all equal has advantage 0 whatever eps is (0 / 0 otherwise, at
+    eps = 0: common with verifiable rewards, and a NaN would drop the whole update)."""
     centered = _centered(rewards)
     g = rewards.shape[1]
     std = jnp.sqrt((centered**2).sum(axis=1, keepdims=True) / max(g - 1, 1))
-    return centered / (std + config.advantage_eps)
+    return jnp.where(std > 0, centered / (std + config.advantage_eps), 0.0)
 
 
 @register_advantage("dr_grpo")

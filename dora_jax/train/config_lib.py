@@ -100,8 +100,10 @@ class TrainConfig:
             _fail(
                 "advantage", f"{self.advantage!r} is not one of {sorted(advantage_lib.ADVANTAGES)}"
             )
-        if self.advantage == "rloo" and self.group_size < 2:
-            _fail("group_size", "rloo needs group_size >= 2")
+        if self.advantage in ("grpo", "dr_grpo", "rloo") and self.group_size < 2:
+            # Each baseline is its group's mean (or the others'): a group of one has no
+            # signal, every advantage 0, and training would run doing nothing.
+            _fail("group_size", f"{self.advantage} needs group_size >= 2")
         if self.loss not in loss_lib.LOSSES:
             _fail("loss", f"{self.loss!r} is not one of {sorted(loss_lib.LOSSES)}")
         if self.eps_low >= 1.0 or self.eps_neg_low >= 1.0:

@@ -123,6 +123,15 @@ class Trainer:
         }
         if self._ref is not None:
             state["reference"] = self._ref.params
+        if self.config.tis_cap is not None:
+            # TIS recomputes behaviour log-probs under each sample's own version, and a resumed
+            # run's queue holds samples up to max_staleness versions old, so their params are
+            # saved too: versions v - K .. v - 1 as a fixed-length tuple (orbax restores onto
+            # the structure a fresh trainer gives), bit i of `tis_kept` saying whether entry i
+            # holds its version (none before version 0; the current params stand in).
+            old = self._tis_versions()
+            state["tis_history"] = tuple(self._history.get(v, self._params) for v in old)
+            state["tis_kept"] = sum(1 << i for i, v in enumerate(old) if v in self._history)
         return state
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -138,8 +147,18 @@ class Trainer:
         self._skipped = int(state["skipped_updates"])
         self._optimizer_steps = int(state["optimizer_steps"])
         if self.config.tis_cap is not None:
-            # Older versions' params are not checkpointed: TIS restarts from this version.
             self._history = {self._version: self._copy(self._params)}
+            kept = int(state.get("tis_kept", 0))
+            for i, (v, params) in enumerate(
+                zip(self._tis_versions(), state.get("tis_history", ()), strict=False)
+            ):
+                if kept >> i & 1:
+                    self._history[v] = transfer_lib.put(params, self._shardings, copy=True).tree
+
+    def _tis_versions(self) -> list[int]:
+        """The past versions whose params TIS keeps: v - max_staleness .. v - 1."""
+        k = self.config.max_staleness
+        return [self._version - k + i for i in range(k)]
 
     def logprobs(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray]:
         """The current policy's log-prob of each response token, one array per trajectory."""

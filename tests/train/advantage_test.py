@@ -46,8 +46,10 @@ def test_estimators_match_numpy(name, rewards):
 @given(rewards=REWARDS)
 def test_equal_rewards_give_zero_advantage(rewards):
     flat = np.repeat(rewards[:, :1], rewards.shape[1], axis=1)
-    for name in ("grpo", "dr_grpo", "rloo"):
-        config = TrainConfig(advantage=name, tbs=flat.shape[1], group_size=flat.shape[1])
+    for name, eps in (("grpo", 1e-6), ("grpo", 0.0), ("dr_grpo", 0.0), ("rloo", 0.0)):
+        g = flat.shape[1]
+        config = TrainConfig(advantage=name, tbs=g, group_size=g, advantage_eps=eps)
+        # grpo at eps 0: 0 / 0 was NaN, and a NaN loss drops the whole update
         np.testing.assert_allclose(np.asarray(advantage_lib.compute(flat, config)), 0, atol=1e-4)
 
 

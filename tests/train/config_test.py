@@ -37,6 +37,7 @@ def test_from_config_dict():
         ({"max_grad_norm": 0.0}, "max_grad_norm"),
         ({"eps_low": 1.0}, "eps_low"),
         ({"advantage": "rloo", "tbs": 4, "group_size": 1}, "group_size"),
+        ({"advantage": "grpo", "tbs": 4, "group_size": 1}, "group_size"),  # no signal at all
     ],
 )
 def test_impossible_values_name_the_field(overrides, field):

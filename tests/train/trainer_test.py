@@ -229,6 +229,32 @@ def test_truncated_importance_sampling_uses_the_behaviour_versions_params():
         trainer.step(stale)  # staleness 2 now
 
 
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_a_restored_trainer_keeps_tis_past_versions(max_staleness):
+    """A checkpoint barrier leaves samples of versions up to K old in the queue, and TIS weighs
+    each against its own version's params: a trainer restored at version 2 must train v1 (and
+    v0 for K = 2) samples exactly as the uninterrupted one does. It used to keep only the
+    current version and raise 'no params kept for version 0' on the first such batch."""
+    config = dataclasses.replace(BASE, tis_cap=2.0, max_staleness=max_staleness)
+    trainer = Trainer(tiny_model(0), config, MESH)
+    rng = np.random.RandomState(12)
+    stale = {v: random_batch(rng, 2, 4, version=v) for v in (0, 1)}
+    for version in (0, 1):
+        _with_behaviour(trainer, stale[version])
+        for t in stale[version]:
+            t.behaviour_logprobs = t.behaviour_logprobs - 1.0  # weight e > cap: TIS acts
+        trainer.step(_with_behaviour(trainer, random_batch(rng, 2, 4, version=version)))
+        trainer.publish()
+    saved = jax.device_get(trainer.state)
+    resumed = Trainer(tiny_model(7), config, MESH)
+    resumed.restore(saved)
+    batch = stale[0] if max_staleness == 2 else stale[1]
+    expected, got = trainer.step(batch), resumed.step(batch)
+    assert got["tis_fraction"] == expected["tis_fraction"] > 0
+    for a, b in zip(_host(trainer.params), _host(resumed.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_bad_batches_are_refused_with_a_reason():
     trainer = Trainer(tiny_model(), BASE, MESH)
     rng = np.random.RandomState(11)
