@@ -65,6 +65,10 @@ class TrainConfig:
     aggregation: str = "token_mean"
     t_max: int | None = None  # the constant of seq_sum_over_const (max response length)
     mask_truncated: bool = False  # drop samples that hit the length limit from the loss
+    # A non-finite loss or gradient skips its update (counted in `skipped_updates`); after this
+    # many steps in a row with every update skipped the trainer stops the run instead of
+    # publishing unchanged versions for ever. None = never stop.
+    max_skipped_steps: int | None = 10
 
     def __post_init__(self) -> None:
         _positive(self, "tbs", "group_size", "mini_batches", "decay_steps")
@@ -112,6 +116,8 @@ class TrainConfig:
             _fail("tis_cap", f"{self.tis_cap} must be positive (or None)")
         if self.max_staleness is not None and self.max_staleness < 0:
             _fail("max_staleness", f"{self.max_staleness} must be >= 0 (or None)")
+        if self.max_skipped_steps is not None and self.max_skipped_steps < 1:
+            _fail("max_skipped_steps", f"{self.max_skipped_steps} must be >= 1 (or None)")
         if self.tis_cap is not None and self.max_staleness is None:
             _fail("max_staleness", "must be set when tis_cap is (past versions' params are kept)")
         if self.aggregation not in AGGREGATIONS:

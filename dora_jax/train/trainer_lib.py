@@ -91,6 +91,7 @@ class Trainer:
             self._ref = _Reference(ref_fn, reference, ref_shardings)
         self._version = 0
         self._skipped = 0
+        self._skipped_in_a_row = 0  # steps in a row whose every update was skipped
         self._optimizer_steps = 0  # applied (not skipped) optimizer steps
         # Past versions' params, for the training-side behaviour log-probs of TIS.
         self._history: dict[int, Any] = {}
@@ -119,6 +120,7 @@ class Trainer:
             "opt_state": self._opt_state,
             "version": self._version,
             "skipped_updates": self._skipped,
+            "skipped_in_a_row": self._skipped_in_a_row,
             "optimizer_steps": self._optimizer_steps,
         }
         if self._ref is not None:
@@ -145,6 +147,7 @@ class Trainer:
             self._ref = self._ref._replace(params=reference)
         self._version = int(state["version"])
         self._skipped = int(state["skipped_updates"])
+        self._skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
         self._optimizer_steps = int(state["optimizer_steps"])
         if self.config.tis_cap is not None:
             self._history = {self._version: self._copy(self._params)}
@@ -244,6 +247,14 @@ class Trainer:
         ok_host = np.asarray(ok_host)
         self._skipped += int((~ok_host).sum())
         self._optimizer_steps += int(ok_host.sum())
+        self._skipped_in_a_row = 0 if ok_host.any() else self._skipped_in_a_row + 1
+        limit = cfg.max_skipped_steps
+        if limit is not None and self._skipped_in_a_row >= limit:
+            raise FloatingPointError(
+                f"{self._skipped_in_a_row} training steps in a row had a non-finite loss or "
+                f"gradient in every update, so none changed the policy: stopping "
+                f"(train.max_skipped_steps={limit}; {self._skipped} updates skipped in all)"
+            )
         ratio_max = max(float(m.pop("ratio_max")) for m in micro_sums)
         sums = {k: float(sum(m[k] for m in micro_sums)) for k in micro_sums[0] if k != "loss"}
         tokens = max(sums.pop("tokens"), 1.0)

@@ -53,7 +53,7 @@ _OVERRIDES = {
     "max_grad_norm": 0.5, "advantage": "rloo", "advantage_eps": 1e-5, "loss": "gspo",
     "eps_low": 0.1, "eps_high": 0.3, "eps_neg_low": 0.3, "eps_neg_high": 3.0,
     "eps_pos_high": 0.4, "tis_cap": 2.0, "kl_coef": 0.05, "aggregation": "seq_sum_over_const",
-    "t_max": 512, "mask_truncated": True,
+    "t_max": 512, "mask_truncated": True, "max_skipped_steps": 3,
 }  # fmt: skip
 
 

@@ -129,6 +129,32 @@ def test_non_finite_loss_skips_the_update_bit_for_bit():
     assert any(changed)
 
 
+def test_steps_that_skip_every_update_stop_the_run_after_the_limit():
+    """Skipping a non-finite update is the policy, but a run whose every update is skipped
+    changes nothing: after `max_skipped_steps` such steps in a row the trainer stops it. A
+    step with one finite update starts the count again."""
+    config = dataclasses.replace(BASE, max_skipped_steps=2)
+    trainer = Trainer(tiny_model(), config, MESH)
+    rng = np.random.RandomState(13)
+
+    def batch(finite: bool):
+        b = _with_behaviour(trainer, random_batch(rng, 2, 4))
+        if not finite:
+            b[0].behaviour_logprobs[0] = np.nan
+        return b
+
+    assert trainer.step(batch(False))["skipped_this_step"] == 1
+    assert trainer.step(batch(True))["skipped_this_step"] == 0  # the count starts again
+    trainer.step(batch(False))
+    saved = jax.device_get(trainer.state)
+    with pytest.raises(FloatingPointError, match=r"2 training steps in a row.*max_skipped_steps"):
+        trainer.step(batch(False))
+    resumed = Trainer(tiny_model(), config, MESH)  # the count travels with the state
+    resumed.restore(saved)
+    with pytest.raises(FloatingPointError, match="max_skipped_steps=2"):
+        resumed.step(batch(False))
+
+
 def test_publish_places_a_copy_on_the_target_mesh():
     trainer = Trainer(tiny_model(), BASE, MESH)
     target_mesh = sharding_lib.make_mesh(jax.devices()[2:4], 1, 2)
