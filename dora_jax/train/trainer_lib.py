@@ -274,7 +274,8 @@ class Trainer:
             ),
             "skipped_updates": float(self._skipped),
             "skipped_this_step": float((~ok_host).sum()),
-            "learning_rate": float(self._schedule(self._optimizer_steps)),
+            # The rate of the last update applied (update n uses schedule(n), counting from 0).
+            "learning_rate": float(self._schedule(max(self._optimizer_steps - 1, 0))),
             "staleness_mean": float(staleness.mean()),
             "staleness_max": float(staleness.max()),
             "version": float(self._version),

@@ -155,6 +155,17 @@ def test_steps_that_skip_every_update_stop_the_run_after_the_limit():
         resumed.step(batch(False))
 
 
+def test_the_learning_rate_metric_is_the_last_applied_updates():
+    """Linear warmup from 0 over 4 updates to 1e-3: a step of two mini-batches applies updates
+    0 and 1, at 0 and 2.5e-4; the metric reported 5e-4, the next update's rate."""
+    config = dataclasses.replace(BASE, warmup_steps=4, learning_rate=1e-3, mini_batches=2)
+    trainer = Trainer(tiny_model(), config, MESH)
+    rng = np.random.RandomState(14)
+    rates = [trainer.step(_with_behaviour(trainer, random_batch(rng, 2, 4)))["learning_rate"]
+             for _ in range(3)]  # fmt: skip
+    np.testing.assert_allclose(rates, [2.5e-4, 7.5e-4, 1e-3], rtol=1e-6)
+
+
 def test_publish_places_a_copy_on_the_target_mesh():
     trainer = Trainer(tiny_model(), BASE, MESH)
     target_mesh = sharding_lib.make_mesh(jax.devices()[2:4], 1, 2)
