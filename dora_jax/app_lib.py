@@ -43,7 +43,7 @@ from dora_jax.runtime import hosts_lib, training_hosts_lib
 from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
 from dora_jax.train import sft_lib
 from dora_jax.train.checkpoint_lib import Checkpointer
-from dora_jax.train.config_lib import TrainConfig
+from dora_jax.train.config_lib import TrainConfig, check_integer_fields
 from dora_jax.train.trainer_lib import MirroredTrainer, Trainer
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -84,7 +84,7 @@ _SECTION_FIELDS: dict[str, frozenset[str]] = {
             "training_hosts",
             "coordinator",
         }
-    ),  # fmt: skip
+    ),
     "data": frozenset(
         {
             "source",
@@ -96,7 +96,7 @@ _SECTION_FIELDS: dict[str, frozenset[str]] = {
             "max_prompt_len",
             "on_bad_row",
         }
-    ),  # fmt: skip
+    ),
     "task": frozenset({*(f.name for f in dataclasses.fields(LongTailTask)), "demonstration_noise"}),
     "reward": frozenset({"name", "timeout_s", "overlong_buffer", "overlong_penalty"}),
     "engine": frozenset({"slots", "max_decode_length", "temperature", "top_k", "top_p"}),
@@ -107,18 +107,18 @@ _SECTION_FIELDS: dict[str, frozenset[str]] = {
 _TOP_LEVEL_FIELDS = frozenset(
     {"seed", "num_cpu_devices", "compilation_cache_dir", "rollout", "train", *_SECTION_FIELDS}
 )
-# (field, smallest value): counts the run divides by or must have at least one of.
-_MINIMA = (
-    ("engine.slots", 1),
-    ("engine.max_decode_length", 1),
-    ("data.max_prompt_len", 1),
-    ("sft.steps", 0),
-    ("sft.batch_size", 1),
-    ("eval.num_prompts", 1),
-    ("eval.samples_per_prompt", 1),
-    ("checkpoint.every", 0),  # 0: no checkpoints
-    ("checkpoint.keep", 1),
-)
+# Each field's smallest value: counts the run divides by or must have at least one of.
+_MINIMA = {
+    "engine.slots": 1,
+    "engine.max_decode_length": 1,
+    "data.max_prompt_len": 1,
+    "sft.steps": 0,
+    "sft.batch_size": 1,
+    "eval.num_prompts": 1,
+    "eval.samples_per_prompt": 1,
+    "checkpoint.every": 0,  # 0: no checkpoints
+    "checkpoint.keep": 1,
+}
 
 
 def validate(config: ml_collections.ConfigDict) -> Settings:
@@ -137,11 +137,7 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
         )
     if config.data.on_bad_row not in ("skip", "error"):
         raise ValueError(f"data.on_bad_row={config.data.on_bad_row!r}: expected 'skip' or 'error'")
-    for field, least in _MINIMA:
-        section, name = field.split(".")
-        value = config[section][name]
-        if not isinstance(value, int) or value < least:
-            raise ValueError(f"{field}={value!r}: must be an integer >= {least}")
+    check_integer_fields(config, _MINIMA)
     _named("engine.", lambda: _sampling(config))
     if config.data.template != "chat":  # a chat template is the checkpoint's, checked on load
         _named("data.template: ", lambda: make_template(config.data.template))

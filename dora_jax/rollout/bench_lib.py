@@ -34,6 +34,7 @@ from dora_jax.runtime import cpu_cores_lib, hosts_lib
 from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
 from dora_jax.runtime.trainer_process_lib import TrainerProcess, TrainerSpec
 from dora_jax.train import Trainer
+from dora_jax.train.config_lib import check_integer_fields
 
 REPORTED = ("trained_tokens_per_s", "rollout_time_s", "step_time_s", "bubble_fraction",
             "slot_occupancy")  # fmt: skip
@@ -285,14 +286,7 @@ def run_bench(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict
     only (`cpu_cores_lib`); 0 leaves everything in this process, on every core.
     """
     configs = rollout_configs(config)
-    minima = {
-        "repeats": (config.repeats, 1),
-        "warmup_iterations": (config.warmup_iterations, 0),
-        "engine.slots": (config.engine.slots, 1),
-    }
-    for field, (value, least) in minima.items():
-        if not isinstance(value, int) or value < least:
-            raise ValueError(f"{field}={value!r}: must be an integer >= {least}")
+    check_integer_fields(config, {"repeats": 1, "warmup_iterations": 0, "engine.slots": 1})
     for rollout_config in configs.values():  # a bad train field fails now, not after compiling
         train_config(rollout_config, config.train)
     runtime = config.runtime.to_dict()

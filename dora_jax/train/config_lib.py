@@ -184,6 +184,17 @@ def dataclass_section(
     return section
 
 
+def check_integer_fields(config: ml_collections.ConfigDict, minima: Mapping[str, int]) -> None:
+    """Raises a ValueError naming the first field (a dotted path into `config`) that is not an
+    integer of at least its minimum: the counts a run divides by or needs one of."""
+    for field, least in minima.items():
+        value = config
+        for part in field.split("."):
+            value = value[part]
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"{field}={value!r}: must be an integer >= {least}")
+
+
 def _fail(field: str, why: str) -> None:
     raise ValueError(f"train config field {field!r}: {why}")
 
