@@ -42,7 +42,10 @@ def generate_all(
         tokens[i].append(token)
         logprobs[i].append(logprob)
         reason = FinishReason(finish)
-        if reason == FinishReason.NONE and stop_reached(requests[i], tokens[i], detokenize):
+        # A stop rule completed on the last token allowed is why the request ended: "stop".
+        if reason in (FinishReason.NONE, FinishReason.LENGTH) and stop_reached(
+            requests[i], tokens[i], detokenize
+        ):
             reason = FinishReason.STOP
         if reason == FinishReason.NONE:
             return False

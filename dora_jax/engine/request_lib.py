@@ -43,12 +43,14 @@ class Request:
     sampling: None uses the engine's default `SamplingParams`.
     max_new_tokens: None uses the engine's max_decode_length (also the upper bound).
     ignore_eos: never stop on an EOS id (the request runs to exactly max_new_tokens).
-    min_new_tokens: an EOS id stops the request only after at least this many tokens. EOS is
-      not masked out of the distribution, so the behaviour log-probs stay those of the policy.
+    min_new_tokens: an EOS id or a stop rule stops the request only after at least this many
+      tokens (vLLM's `min_tokens`). EOS is not masked out of the distribution, so the
+      behaviour log-probs stay those of the policy.
     seed: PRNG seed; token i uses fold_in(key(seed mod 2**32), i).
     eos_ids: None uses the engine's eos_ids.
     stop_sequences / stop_strings: checked on the host after each token (`stop_reached`);
-      stop strings need a detokenize callable. The matching tokens stay in the completion.
+      stop strings need a detokenize callable. The matching tokens stay in the completion,
+      and a match on the last token allowed reports "stop", not "length".
     id: the caller's handle, copied to the `Completion`.
     """
 
@@ -86,7 +88,9 @@ def stop_reached(
 ) -> bool:
     """Whether the generated `tokens` end in one of the request's stop sequences or contain one
     of its stop strings (`detokenize` maps generated ids to text). Called after every token, it
-    stops at the first token that completes a match."""
+    stops at the first token that completes a match, once `min_new_tokens` are generated."""
+    if len(tokens) < request.min_new_tokens:
+        return False
     for seq in request.stop_sequences:
         n = len(seq)
         if n and len(tokens) >= n and [int(t) for t in tokens[-n:]] == [int(t) for t in seq]:

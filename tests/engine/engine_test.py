@@ -327,6 +327,15 @@ def test_stop_conditions(dense):
     assert (c.tokens.tolist(), c.finish_reason) == (tokens[:1], "eos")
     c = run(stop_sequences=[tokens[4:6]])
     assert (c.tokens.tolist(), c.finish_reason) == (tokens[:6], "stop")
+    # A match on the last token allowed is a stop (vLLM reports the same), not a length.
+    c = run(stop_sequences=[tokens[4:6]], max_new_tokens=6)
+    assert (c.tokens.tolist(), c.finish_reason) == (tokens[:6], "stop")
+    # Stop rules wait for min_new_tokens, like EOS: the first match ending at or after it.
+    seq = tokens[4:6]
+    ends = [n for n in range(7, 11) if tokens[n - 2 : n] == seq]
+    c = run(stop_sequences=[seq], min_new_tokens=7, max_new_tokens=10)
+    expected = (tokens[: ends[0]], "stop") if ends else (tokens, "length")
+    assert (c.tokens.tolist(), c.finish_reason) == expected
     extra = {"detokenize": lambda ids: "".join(chr(ord("a") + i % 26) for i in ids)}
     stop = extra["detokenize"](tokens[2:5])
     c = run(stop_strings=[stop])
@@ -345,6 +354,10 @@ def test_stop_reached():
     assert stop_reached(r, [1, 3, 4], detok)
     assert not stop_reached(r, [3, 1], lambda ids: "zz")
     assert stop_reached(r, [0, 1], detok)  # "xy"
+    late = Request(prompt_tokens=[1], stop_sequences=[[3, 4]], min_new_tokens=4)
+    assert not stop_reached(late, [3, 4])  # before min_new_tokens
+    assert not stop_reached(late, [1, 3, 4])
+    assert stop_reached(late, [1, 1, 3, 4])
     with pytest.raises(ValueError, match="detokenize"):
         stop_reached(r, [5], None)
 
