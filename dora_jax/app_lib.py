@@ -672,7 +672,9 @@ def _train_and_evaluate(
     final_params = engines[0].shard_params(trained, trainer.version)
     after = evaluate(engines[0], final_params, heldout, config, runner, data.tokenizer)
     nnx.update(model, trained)
-    models.save_pretrained(model, os.path.join(workdir, "hf_policy"))
+    models.save_pretrained(
+        model, os.path.join(workdir, "hf_policy"), source=config.model.checkpoint or None
+    )
     records = metrics_lib.read_metrics(workdir)
     trained_tokens = sum(r.get("trained_tokens", 0.0) for r in records)
     summary = {

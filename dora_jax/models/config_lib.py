@@ -39,7 +39,7 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v (Qwen2 always has it)
     attention_out_bias: bool = False  # bias on o_proj (Llama's `attention_bias` sets both)
     mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
+    qk_norm: bool = True  # Qwen3 (the default architecture): RMSNorm over head_dim on q and k
     # Mixture of experts (Qwen3-MoE); num_experts == 0 means every layer is dense.
     num_experts: int = 0
     num_experts_per_tok: int = 2
@@ -58,11 +58,39 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        self._check_expressible()
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                 f"[1, num_experts={self.num_experts}]"
             )
+
+    def _check_expressible(self) -> None:
+        """Refuses switches the architecture's `config.json` cannot state: such a model would
+        export as a different one (transformers fills a missing q/k norm with fresh weights)."""
+        arch = self.architecture
+        qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        moe = arch == "Qwen3MoeForCausalLM"
+        rules = [
+            (self.qk_norm == qwen3, f"qk_norm={qwen3}"),
+            (bool(self.num_experts) == moe, "num_experts > 0" if moe else "num_experts=0"),
+        ]
+        if arch == "Qwen2ForCausalLM":
+            rules.append((self.attention_bias, "attention_bias=True"))
+            rules.append((not self.attention_out_bias, "attention_out_bias=False"))
+        else:  # one switch for the q/k/v and o projections
+            rules.append(
+                (
+                    self.attention_out_bias == self.attention_bias,
+                    f"attention_out_bias={self.attention_out_bias} to equal "
+                    f"attention_bias={self.attention_bias} (one switch for q/k/v/o)",
+                )
+            )
+        if arch != "LlamaForCausalLM":
+            rules.append((not self.mlp_bias, "mlp_bias=False"))
+        for holds, needed in rules:
+            if not holds:
+                raise ValueError(f"architecture {arch} needs {needed}")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -91,6 +119,8 @@ class ModelConfig:
             )
         if hf.get("use_sliding_window"):
             raise ValueError("config.json use_sliding_window=true is not supported")
+        if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"config.json hidden_act={hf['hidden_act']!r} is not supported (silu)")
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         rope_scaling = hf.get("rope_scaling")
@@ -126,13 +156,14 @@ class ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             num_experts=(
-                hf.get("num_experts") or hf.get("num_local_experts") or 0
+                hf.get("num_experts", hf.get("num_local_experts", 128))
                 if arch == "Qwen3MoeForCausalLM"
                 else 0
             ),
-            num_experts_per_tok=hf.get("num_experts_per_tok", 2),
-            moe_intermediate_size=hf.get("moe_intermediate_size", 64),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            # Missing MoE keys take transformers' Qwen3MoeConfig defaults, as it would.
+            num_experts_per_tok=hf.get("num_experts_per_tok", 8),
+            moe_intermediate_size=hf.get("moe_intermediate_size", 768),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             decoder_sparse_step=hf.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
         )

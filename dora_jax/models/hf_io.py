@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +26,23 @@ from safetensors.flax import save_file
 from dora_jax.models import model_lib
 from dora_jax.models.config_lib import ModelConfig
 
+_SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# What a Hugging Face model directory holds beside its weights and config.json, copied on
+# export so that the result replaces the directory it came from (tokenizer, chat template,
+# generation defaults such as the eos ids a serving stack stops on).
+_SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
 # Tensors some checkpoints carry that are derived, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -72,28 +90,28 @@ def _tensor_map(config: ModelConfig) -> dict[tuple[Any, ...], tuple[str, str]]:
 
 
 class _CheckpointReader:
-    """Finds each tensor in a directory of safetensors files (sharded with an index, or not)."""
+    """Finds each tensor in a directory's weights: `model.safetensors`, or else the shards its
+    `model.safetensors.index.json` lists (the order transformers looks in, so that both read
+    the same weights from a directory that has both)."""
 
     def __init__(self, path: str):
         index_path = os.path.join(path, _INDEX)
-        if os.path.exists(index_path):
+        single = os.path.join(path, _SINGLE)
+        self._handles: dict[str, Any] = {}
+        self.weight_map: dict[str, str]
+        if os.path.exists(single):
+            self._handles[_SINGLE] = safe_open(single, framework="flax")
+            self.weight_map = dict.fromkeys(self._handles[_SINGLE].keys(), _SINGLE)
+        elif os.path.exists(index_path):
             with open(index_path) as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
+                self.weight_map = json.load(f)["weight_map"]
+            for name in sorted(set(self.weight_map.values())):
+                file_path = os.path.join(path, name)
+                if not os.path.exists(file_path):
+                    raise FileNotFoundError(f"{file_path} is listed in {index_path} but is missing")
+                self._handles[name] = safe_open(file_path, framework="flax")
         else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-            if not files:
-                raise FileNotFoundError(f"no *.safetensors file in {path}")
-            weight_map = {}
-        self._handles = {}
-        for name in files:
-            file_path = os.path.join(path, name)
-            if not os.path.exists(file_path):
-                raise FileNotFoundError(f"{file_path} is listed in {index_path} but does not exist")
-            self._handles[name] = safe_open(file_path, framework="flax")
-            if not os.path.exists(index_path):
-                weight_map.update({k: name for k in self._handles[name].keys()})  # noqa: SIM118
-        self.weight_map = weight_map
+            raise FileNotFoundError(f"neither {_SINGLE} nor {_INDEX} in {path}")
         self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
@@ -187,13 +205,35 @@ def _export_tensors(model: model_lib.Transformer) -> Iterator[tuple[str, np.ndar
 
 
 def save_pretrained(
-    model: model_lib.Transformer, path: str, max_shard_bytes: int = 4 * 1024**3
+    model: model_lib.Transformer,
+    path: str,
+    *,
+    source: str | None = None,
+    max_shard_bytes: int = 4 * 1024**3,
 ) -> None:
-    """Writes `config.json` and safetensors shards (with an index when more than one)."""
+    """Writes `config.json` and safetensors shards (with an index when more than one) to `path`,
+    replacing any weights an earlier save left there (a stale shard set would otherwise be read
+    back instead of these).
+
+    `source`, the Hugging Face directory the model was loaded from, makes the result a drop-in
+    replacement for it: config.json keeps the source's keys that are not the architecture's
+    (bos / eos / pad token ids, ...) and its tokenizer and generation files are copied.
+    """
     os.makedirs(path, exist_ok=True)
-    config = model.config.to_hf_dict()
+    config: dict[str, Any] = {}
+    if source is not None:
+        with open(os.path.join(source, "config.json")) as f:
+            config = json.load(f)
+        config.pop("dtype", None)  # transformers >= 5's name for torch_dtype, set below
+        for name in _SIDE_FILES:
+            if os.path.exists(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
+    config.update(model.config.to_hf_dict())
     dtypes = {str(x.dtype) for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
     config["torch_dtype"] = "bfloat16" if dtypes == {"bfloat16"} else "float32"
+    for name in os.listdir(path):
+        if name in (_SINGLE, _INDEX) or _SHARD.fullmatch(name):
+            os.remove(os.path.join(path, name))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     shards: list[dict[str, jax.Array]] = [{}]
@@ -206,7 +246,7 @@ def save_pretrained(
         shards[-1][name] = jnp.array(array)  # contiguous copy: safetensors needs it
         size += array.nbytes
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        save_file(shards[0], os.path.join(path, _SINGLE), metadata={"format": "pt"})
         return
     weight_map = {}
     for i, shard in enumerate(shards):

@@ -36,7 +36,7 @@ def hf_config(arch: str, **overrides) -> transformers.PretrainedConfig:
     if arch == "Qwen3ForCausalLM":
         return transformers.Qwen3Config(head_dim=16, **kw)
     if arch == "Qwen3MoeForCausalLM":
-        return transformers.Qwen3MoeConfig(
+        moe = dict(
             head_dim=8,
             num_experts=6,
             num_experts_per_tok=2,
@@ -44,8 +44,8 @@ def hf_config(arch: str, **overrides) -> transformers.PretrainedConfig:
             norm_topk_prob=True,
             decoder_sparse_step=1,
             mlp_only_layers=[1],
-            **kw,
         )
+        return transformers.Qwen3MoeConfig(**{**moe, **kw})
     raise ValueError(arch)
 
 

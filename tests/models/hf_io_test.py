@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +14,12 @@ import transformers
 from hf_fixtures import make_hf_model
 from safetensors.numpy import load_file, save_file
 
-from dora_jax.models import SUPPORTED_ARCHITECTURES, from_pretrained, save_pretrained
+from dora_jax.models import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    from_pretrained,
+    save_pretrained,
+)
 
 TOL = 1e-4
 
@@ -87,6 +93,96 @@ def test_sharded_checkpoint_with_index_round_trips(tmp_path):
     ids = _ids(seed=3)
     ours = np.asarray(from_pretrained(dst)(jnp.asarray(ids, jnp.int32)))
     assert np.abs(ours - _hf_logits(hf, ids)).max() <= TOL
+
+
+def test_saving_again_replaces_the_weights_for_both_readers(tmp_path):
+    """A sharded save, then a single-file save into the same directory, then a sharded one
+    again: ours and transformers both read the latest weights each time, not stale files."""
+    src = {seed: str(tmp_path / f"src{seed}") for seed in (5, 6)}
+    hf = {seed: make_hf_model("Qwen3ForCausalLM", path, seed=seed) for seed, path in src.items()}
+    dst, ids = str(tmp_path / "dst"), _ids(seed=5)
+    for seed, shard_bytes in ((5, 8_000), (6, 4 * 1024**3), (5, 8_000)):
+        save_pretrained(from_pretrained(src[seed]), dst, max_shard_bytes=shard_bytes)
+        expected = _hf_logits(hf[seed], ids)
+        ours = np.asarray(from_pretrained(dst)(jnp.asarray(ids, jnp.int32)))
+        theirs = _hf_logits(transformers.Qwen3ForCausalLM.from_pretrained(dst).eval(), ids)
+        assert np.abs(ours - expected).max() <= TOL
+        assert np.abs(theirs - expected).max() <= TOL
+
+
+def test_export_with_source_keeps_token_ids_tokenizer_and_generation_config(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    make_hf_model(
+        "LlamaForCausalLM", src, seed=7, bos_token_id=90, eos_token_id=91, pad_token_id=92
+    )
+    transformers.GenerationConfig(eos_token_id=[91, 93]).save_pretrained(src)
+    with open(os.path.join(src, "tokenizer.json"), "w") as f:
+        f.write('{"stand-in": "copied byte for byte"}')
+    save_pretrained(from_pretrained(src), dst, source=src)
+    config = transformers.AutoConfig.from_pretrained(dst)
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (90, 91, 92)
+    assert transformers.GenerationConfig.from_pretrained(dst).eos_token_id == [91, 93]
+    with open(os.path.join(dst, "tokenizer.json")) as f:
+        assert f.read() == '{"stand-in": "copied byte for byte"}'
+    # Without a source, transformers falls back on its own defaults (Llama: bos 1, eos 2).
+    save_pretrained(from_pretrained(src), str(tmp_path / "bare"))
+    assert transformers.AutoConfig.from_pretrained(str(tmp_path / "bare")).eos_token_id != 91
+
+
+def test_missing_moe_keys_take_transformers_defaults(tmp_path):
+    """transformers writes only non-default keys; a config.json without num_experts_per_tok or
+    norm_topk_prob means Qwen3MoeConfig's 8 and False."""
+    hf = make_hf_model(
+        "Qwen3MoeForCausalLM", str(tmp_path), seed=8, num_experts=10,
+        num_experts_per_tok=8, norm_topk_prob=False,
+    )  # fmt: skip
+    path = os.path.join(tmp_path, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    for key in ("num_experts_per_tok", "norm_topk_prob"):
+        config.pop(key, None)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    ids = _ids(seed=8)
+    ours = np.asarray(from_pretrained(str(tmp_path))(jnp.asarray(ids, jnp.int32)))
+    assert np.abs(ours - _hf_logits(hf, ids)).max() <= TOL
+
+
+def test_unsupported_activation_is_refused(tmp_path):
+    make_hf_model("LlamaForCausalLM", str(tmp_path), hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "fields,named",
+    [
+        ({"architecture": "Qwen3ForCausalLM", "qk_norm": False}, "qk_norm=True"),
+        ({"architecture": "LlamaForCausalLM", "qk_norm": True}, "qk_norm=False"),
+        ({"architecture": "Qwen2ForCausalLM", "qk_norm": False}, "attention_bias=True"),
+        (
+            {
+                "architecture": "Qwen2ForCausalLM",
+                "qk_norm": False,
+                "attention_bias": True,
+                "attention_out_bias": True,
+            },
+            "attention_out_bias=False",
+        ),
+        ({"architecture": "Qwen3ForCausalLM", "num_experts": 4}, "num_experts=0"),
+        ({"architecture": "Qwen3MoeForCausalLM"}, "num_experts > 0"),
+        ({"architecture": "Qwen3ForCausalLM", "mlp_bias": True}, "mlp_bias=False"),
+        (
+            {"architecture": "LlamaForCausalLM", "qk_norm": False, "attention_bias": True},
+            "attention_out_bias=False to equal attention_bias=True",
+        ),
+    ],
+)
+def test_configs_config_json_cannot_state_are_refused(fields, named):
+    """Such a model would export as another one: transformers fills a missing q/k norm with
+    fresh weights, and our own reader derives these switches from the architecture."""
+    with pytest.raises(ValueError, match=re.escape(named)):
+        ModelConfig(**fields)
 
 
 def test_bfloat16_load(tmp_path):
