@@ -88,15 +88,21 @@ def format_reward(completion: str, answer: str, pattern: str = r"\\boxed\{.+?\}"
 
 @register_reward("math")
 def math_reward(completion: str, answer: str) -> float:
-    """1 when math-verify finds the completion's final answer equal to the reference.
+    r"""1 when math-verify finds the completion's final answer equal to the reference.
 
     Both of math-verify's own timeouts are disabled: they use `signal.alarm`, which only works
     in the main thread, and rewards run in worker threads under `RewardRunner`'s timeout.
+
+    The reference is parsed as LaTeX first (boxed, then in `$...$`), plain text last: plain-text
+    parsing extracts the first number it sees, so `2\sqrt{2}` or `3\pi` would become 2 or 3, and
+    a wrong answer would score 1 and the right one 0.
     """
-    gold = math_verify.parse(answer, parsing_timeout=None) or math_verify.parse(
-        f"${answer}$", parsing_timeout=None
-    )
-    pred = math_verify.parse(completion, parsing_timeout=None)
+    gold = _parse(f"$\\boxed{{{answer}}}$") or _parse(f"${answer}$") or _parse(answer)
+    pred = _parse(completion)
     if not gold or not pred:
         return 0.0
     return float(math_verify.verify(gold, pred, timeout_seconds=None))
+
+
+def _parse(text: str) -> list:
+    return math_verify.parse(text, parsing_timeout=None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import sympy
 
 from dora_jax.rewards import get_reward, register_reward, registered_rewards
 
@@ -44,6 +45,37 @@ def test_format_reward_with_a_configured_pattern():
 )
 def test_math_reward(completion, answer, expected):
     assert get_reward("math")(completion, answer) == expected
+
+
+@pytest.mark.parametrize(
+    "gold,gold_sympy",
+    [
+        (r"2\sqrt{2}", "2*sqrt(2)"),
+        (r"3\pi", "3*pi"),
+        (r"2^{10}", "2**10"),
+        (r"\frac{\sqrt{3}}{2}", "sqrt(3)/2"),
+        (r"12\%", "12/100"),
+        ("1.5", "3/2"),
+    ],
+)
+@pytest.mark.parametrize(
+    "boxed,boxed_sympy",
+    [("2", "2"), ("3", "3"), (r"2\sqrt{2}", "2*sqrt(2)"), (r"3\pi", "3*pi"), ("1024", "1024"),
+     ("0.12", "12/100"), ("1.5", "3/2")],
+)  # fmt: skip
+def test_math_reward_parses_latex_golds_as_latex(gold, gold_sympy, boxed, boxed_sympy):
+    r"""Plain-text parsing of a LaTeX gold keeps only its first number (`2\sqrt{2}` -> 2), which
+    scored wrong answers 1 and right ones 0; sympy on both written by hand is the reference."""
+    expected = sympy.simplify(sympy.sympify(gold_sympy) - sympy.sympify(boxed_sympy)) == 0
+    assert get_reward("math")(f"so \\boxed{{{boxed}}}", gold) == float(expected)
+
+
+def test_math_reward_latex_gold_forms():
+    math = get_reward("math")
+    assert math("\\boxed{(1,2)}", "(1, 2)") == 1.0
+    assert math("\\boxed{(2,1)}", "(1, 2)") == 0.0
+    assert math("\\boxed{3x+2}", "3x+2") == 1.0
+    assert math("\\boxed{3}", "3x+2") == 0.0
 
 
 def test_math_reward_works_off_the_main_thread():
