@@ -85,8 +85,24 @@ class RewardRunner:
             self.counters.errors += 1
             _log.warning("reward for sample %s raised %r; scoring 0", sample_id, value)
             return 0.0
-        if isinstance(value, numbers.Real) and math.isfinite(float(value)):
-            return float(value)
+        reward = _as_reward(value)
+        if math.isfinite(reward):
+            return reward
         self.counters.errors += 1
         _log.warning("reward for sample %s returned %r, not a finite number", sample_id, value)
         return 0.0
+
+
+def _as_reward(value: object) -> float:
+    """`value` as a float, NaN when it is not a real number a float can hold.
+
+    NumPy / JAX scalars and size-1 arrays are taken through `.item()` (a reward written with
+    NumPy returns `np.bool_` or a 0-d array). The conversion is user code too: a huge int or
+    Fraction overflows a float, and that must score 0 like any other failure, not stop the run.
+    """
+    try:
+        if hasattr(value, "item"):
+            value = value.item()
+        return float(value) if isinstance(value, numbers.Real) else math.nan
+    except Exception:
+        return math.nan

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fractions
 import logging
 import math
 import threading
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -56,6 +58,30 @@ def test_scores_keep_input_order_and_equal_direct_calls(pairs, workers):
     items = [(i, c, a) for i, (c, a) in enumerate(pairs)]
     assert runner.score(items) == [float(c.strip() == a.strip()) for c, a in pairs]
     assert runner.counters.calls == len(pairs) and runner.counters.errors == 0
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        (np.bool_(True), 1.0),
+        (np.float32(0.5), 0.5),
+        (np.array(1.0), 1.0),
+        (np.array([0.25]), 0.25),
+        (fractions.Fraction(1, 2), 0.5),
+        (True, 1.0),
+        (np.array([1.0, 2.0]), None),
+        (np.array(np.nan), None),
+        # float() overflows: this raised out of score() and stopped the run.
+        pytest.param(10**400, None, id="huge-int"),
+        pytest.param(fractions.Fraction(10**400), None, id="huge-fraction"),
+        (None, None),
+    ],
+)
+def test_return_values_convert_or_count_as_errors(value, expected):
+    """None = an error scoring 0; NumPy scalars and size-1 arrays are numbers, as `.item()` says."""
+    runner = RewardRunner(lambda completion, answer: value, timeout_s=5.0)
+    assert runner.score([("id", "x", "y")]) == [0.0 if expected is None else expected]
+    assert runner.counters.errors == (expected is None)
 
 
 def test_math_reward_through_the_runner():
