@@ -145,7 +145,8 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
         _longtail_task(config)  # its errors name their task.* field
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "seed": config.seed})
     train = train_config(rollout, config.train)
-    get_reward(config.reward.name)  # an unknown reward name fails here, not mid-run
+    reward = get_reward(config.reward.name)  # an unknown reward name fails here, not mid-run
+    _named("reward.", lambda: RewardRunner(reward, timeout_s=config.reward.timeout_s))
     overlong = OverlongPenalty(
         int(config.engine.max_decode_length),
         config.reward.overlong_buffer,

@@ -35,10 +35,14 @@ class RewardRunner:
     """Scores `(sample_id, completion, answer)` items with `fn`, `max_workers` calls at a time."""
 
     def __init__(self, fn: RewardFn, timeout_s: float = 10.0, max_workers: int = 4):
-        if timeout_s <= 0:
-            raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
+        # Thread.join refuses waits past TIMEOUT_MAX (OverflowError at the first score, long
+        # after start), and NaN compares false everywhere, so every call would time out.
+        if not 0 < timeout_s <= threading.TIMEOUT_MAX:
+            raise ValueError(
+                f"timeout_s={timeout_s}: must be in (0, {threading.TIMEOUT_MAX:g}] seconds"
+            )
         if max_workers < 1:
-            raise ValueError(f"reward max_workers must be >= 1, got {max_workers}")
+            raise ValueError(f"max_workers={max_workers}: must be >= 1")
         self._fn, self._timeout_s, self._max_workers = fn, timeout_s, max_workers
         self.counters = RewardCounters()
 

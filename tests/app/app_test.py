@@ -36,6 +36,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("reward", "name", "no_such_reward", "no_such_reward"),
         ("reward", "overlong_buffer", 49, "reward.overlong_buffer"),  # > engine.max_decode_length
         ("reward", "overlong_penalty", -1.0, "reward.overlong_penalty"),
+        ("reward", "timeout_s", 0.0, "reward.timeout_s"),
+        ("reward", "timeout_s", -1.0, "reward.timeout_s"),
+        # inf overflowed Thread.join at the first score, after the SFT warm-up; NaN timed out all.
+        ("reward", "timeout_s", float("inf"), "reward.timeout_s"),
+        ("reward", "timeout_s", float("nan"), "reward.timeout_s"),
         ("model", "dtype", "float8", "model.dtype"),
         ("data", "source", "s3", "data.source"),
         ("engine", "slots", 0, "engine.slots"),

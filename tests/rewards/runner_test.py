@@ -90,7 +90,8 @@ def test_math_reward_through_the_runner():
 
 
 def test_invalid_settings_name_the_field():
-    with pytest.raises(ValueError, match="timeout_s"):
-        RewardRunner(flaky, timeout_s=0)
+    for timeout_s in (0.0, -1.0, math.inf, math.nan, threading.TIMEOUT_MAX * 2):
+        with pytest.raises(ValueError, match="timeout_s"):
+            RewardRunner(flaky, timeout_s=timeout_s)
     with pytest.raises(ValueError, match="max_workers"):
         RewardRunner(flaky, max_workers=0)
