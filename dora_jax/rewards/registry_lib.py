@@ -68,6 +68,15 @@ def get_reward(name: str, **options) -> RewardFn:
     for option in options:
         if not takes_any and option not in params:
             raise ValueError(f"reward {name!r} has no option {option!r}")
+    # `RewardRunner` calls it as fn(completion, answer): a function that cannot take that call
+    # would pass this start-up check and then raise on every sample, scoring 0 for the whole run.
+    try:
+        inspect.signature(fn).bind("completion", "answer", **options)
+    except TypeError as e:
+        raise ValueError(
+            f"reward.name={name!r}: a reward is called as fn(completion, answer, **options), "
+            f"which this one cannot take ({e})"
+        ) from e
     return functools.partial(fn, **options) if options else fn
 
 

@@ -113,3 +113,10 @@ def test_errors_name_the_reward_and_option():
         get_reward("no_such_module_xyz.fn")
     with pytest.raises(ValueError, match="no option 'patern'"):
         get_reward("format", patern="x")
+
+
+@pytest.mark.parametrize("name", ["reward_helpers:needs_prompt", "reward_helpers:one_arg"])
+def test_a_function_the_runner_cannot_call_is_refused_naming_the_field(name):
+    """It passed the start-up check, then raised on every call: a whole run scored 0."""
+    with pytest.raises(ValueError, match=rf"reward\.name='{name}'.*fn\(completion, answer"):
+        get_reward(name)
