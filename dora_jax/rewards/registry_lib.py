@@ -106,6 +106,8 @@ def math_reward(completion: str, answer: str) -> float:
     parsing extracts the first number it sees, so `2\sqrt{2}` or `3\pi` would become 2 or 3, and
     a wrong answer would score 1 and the right one 0.
     """
+    if _huge_power(completion):
+        return 0.0
     gold = _parse(f"$\\boxed{{{answer}}}$") or _parse(f"${answer}$") or _parse(answer)
     pred = _parse(completion)
     if not gold or not pred:
@@ -115,3 +117,31 @@ def math_reward(completion: str, answer: str) -> float:
 
 def _parse(text: str) -> list:
     return math_verify.parse(text, parsing_timeout=None)
+
+
+# sympy computes a power of numbers exactly, in C, holding the GIL, so `RewardRunner`'s timeout
+# thread never runs: one completion boxing `10^{10^{8}}` froze the whole run. A completion that
+# writes a power of numbers with an exponent that is itself a power (a tower), or one of more
+# than about `_MAX_POWER_DIGITS` digits, scores 0 before sympy sees it. Only such powers are
+# caught; other input that is slow without releasing the GIL still relies on the timeout.
+_MAX_POWER_DIGITS = 10**6  # ~0.3 s for sympy; ten times more took 6 s
+_POWER_OPERATOR = re.compile(r"\^|\*\*")
+_BASE_DIGITS = re.compile(r"(\d*)[\s{}()]*$")
+# The exponent's leading number, and whether it is itself raised to a number (a tower).
+_EXPONENT = re.compile(r"[\s{(]*(\d+)\s*((?:\^|\*\*)[\s{(]*\d)?")
+
+
+def _huge_power(text: str) -> bool:
+    # Operators are found first and their operands read from there, so a long run of digits is
+    # scanned a bounded number of times (a digit-led pattern would backtrack quadratically).
+    for operator in _POWER_OPERATOR.finditer(text):
+        exponent = _EXPONENT.match(text, operator.end())
+        if exponent is None:
+            continue
+        digits, tower = exponent.groups()
+        base = _BASE_DIGITS.search(text[max(0, operator.start() - 32) : operator.start()])
+        if tower or len(digits) > 7:
+            return True
+        if max(len(base.group(1)), 1) * int(digits) > _MAX_POWER_DIGITS:
+            return True
+    return False

@@ -78,6 +78,15 @@ def test_math_reward_latex_gold_forms():
     assert math("\\boxed{3}", "3x+2") == 0.0
 
 
+def test_math_reward_still_scores_small_and_symbolic_powers():
+    math = get_reward("math")
+    assert math(r"\boxed{2^{10}}", "1024") == 1.0
+    assert math(r"\boxed{2^{2^{3}}}", "256") == 0.0  # a tower of numbers is refused, even small
+    assert math(r"\boxed{2^{2^{n}}+1}", "2^{2^n}+1") == 1.0
+    assert math(r"\boxed{e^{-x^2}}", "e^{-x^2}") == 1.0
+    assert math(r"\boxed{3^{1000}}", str(3**1000)) == 1.0
+
+
 def test_math_reward_works_off_the_main_thread():
     """math-verify's own signal.alarm timeouts would raise in a worker thread."""
     results = []

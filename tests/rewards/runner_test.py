@@ -5,6 +5,8 @@ from __future__ import annotations
 import fractions
 import logging
 import math
+import subprocess
+import sys
 import threading
 import time
 
@@ -87,6 +89,21 @@ def test_return_values_convert_or_count_as_errors(value, expected):
 def test_math_reward_through_the_runner():
     runner = RewardRunner(get_reward("math"), timeout_s=20.0)
     assert runner.score([(0, "\\boxed{6}", "6"), (1, "\\boxed{5}", "6")]) == [1.0, 0.0]
+
+
+def test_a_huge_power_cannot_freeze_the_run():
+    """sympy computes these holding the GIL, where the timeout never fires: the run froze. A
+    child process, so that a regression fails this test instead of hanging the suite."""
+    completions = [r"\boxed{10^{10^{8}}}", r"\boxed{9^9^9}", "2**2**40", r"\boxed{7^{99999999}}"]
+    script = (
+        "from dora_jax.rewards import RewardRunner, get_reward\n"
+        "runner = RewardRunner(get_reward('math'), timeout_s=2.0)\n"
+        f"print(runner.score([(i, c, '1') for i, c in enumerate({completions!r})]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == str([0.0] * len(completions))
 
 
 def test_invalid_settings_name_the_field():
