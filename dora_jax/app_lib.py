@@ -484,24 +484,27 @@ def evaluate(
 # -- the run ------------------------------------------------------------------------------------
 
 
-def _engine_settings(config: ml_collections.ConfigDict, eos_id: int) -> dict[str, Any]:
+def _engine_settings(config: ml_collections.ConfigDict, eos_ids: Sequence[int]) -> dict[str, Any]:
     return {
         "max_concurrent_decodes": config.engine.slots,
         "max_prefill_length": config.data.max_prompt_len,
         "max_decode_length": config.engine.max_decode_length,
         "sampling": _sampling(config),
-        "eos_ids": (eos_id,),
+        "eos_ids": tuple(eos_ids),
     }
 
 
 def make_engines(
-    config: ml_collections.ConfigDict, model: models.Transformer, plan: DevicePlan, eos_id: int
+    config: ml_collections.ConfigDict,
+    model: models.Transformer,
+    plan: DevicePlan,
+    eos_ids: Sequence[int],
 ) -> list[Engine]:
     """One engine per generation mesh; the rollout's unless it runs on generation hosts, and
     the first is the held-out evaluation's. With hosts on other machines the plan has no
     generation mesh: evaluation, which runs before and after training, uses the training mesh
     (this process's part of it, with training hosts)."""
-    settings = _engine_settings(config, eos_id)
+    settings = _engine_settings(config, eos_ids)
     meshes = plan.generation_meshes or (_this_process_part(plan.train_mesh),)
     return [Engine(model, mesh=mesh, **settings) for mesh in meshes]
 
@@ -520,7 +523,7 @@ def start_generation_hosts(
     config: ml_collections.ConfigDict,
     hosts: Sequence[str],
     model: models.Transformer,
-    eos_id: int,
+    eos_ids: Sequence[int],
 ) -> list[hosts_lib.RemoteEngine]:
     """One generation host per rollout instance (`Settings.generation_hosts`), each a process
     with its own engine of the model's shape (weights come from the trainer, version by
@@ -529,7 +532,7 @@ def start_generation_hosts(
     spec = hosts_lib.EngineSpec(
         model.config,
         config.seed,
-        _engine_settings(config, eos_id),
+        _engine_settings(config, eos_ids),
         devices=config.runtime.devices_per_instance,
         tp=config.runtime.instance_tp,
         model_kwargs={"param_dtype": dtype, "dtype": dtype},
@@ -571,7 +574,7 @@ def _train_and_evaluate(
     model = load_policy(config, data.tokenizer.vocab_size)
     if latest is None:
         model = warm_up(config, model, data, settings.plan.train_mesh, progress, group)
-    engines = make_engines(config, model, settings.plan, data.tokenizer.eos_id)
+    engines = make_engines(config, model, settings.plan, data.tokenizer.eos_ids)
     # With `train.kl_coef` > 0 the KL penalty's reference is the policy RL starts from (after
     # the warm-up); the trainer keeps it in its checkpointed state, so a resume restores it.
     if group is None:
@@ -645,7 +648,7 @@ def _train_and_evaluate(
     hosts = []
     if settings.generation_hosts:
         hosts = start_generation_hosts(
-            config, settings.generation_hosts, model, data.tokenizer.eos_id
+            config, settings.generation_hosts, model, data.tokenizer.eos_ids
         )
     rollout = Rollout(
         settings.rollout,
@@ -709,7 +712,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
         )
     data = load_task(config)
     model = load_policy(config, data.tokenizer.vocab_size)
-    engine = make_engines(config, model, settings.plan, data.tokenizer.eos_id)[0]
+    engine = make_engines(config, model, settings.plan, data.tokenizer.eos_ids)[0]
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
     latest = checkpointer.latest_step()
     params = engine.load_params(version=0)

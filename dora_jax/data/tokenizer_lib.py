@@ -1,16 +1,16 @@
 """One tokenizer interface for Hugging Face checkpoints and the built-in char-level task.
 
-Everything downstream (prompt pipeline, engine stop tokens, reward decoding) needs the same five
-things: `encode`, `decode`, `eos_id`, `pad_id`, `vocab_size`. Both kinds of tokenizer are real
-`tokenizers.Tokenizer` objects (the char vocabulary is a WordLevel model over single characters),
-so there is a single implementation and the char tokenizer can be saved as a `tokenizer.json`
-next to a checkpoint and reloaded by the same loader as a Hugging Face one.
+Everything downstream (prompt pipeline, engine stop tokens, reward decoding) needs the same six
+things: `encode`, `decode`, `eos_id`, `eos_ids`, `pad_id`, `vocab_size`. Both kinds of tokenizer
+are real `tokenizers.Tokenizer` objects (the char vocabulary is a WordLevel model over single
+characters), so there is a single implementation and the char tokenizer can be saved as a
+`tokenizer.json` next to a checkpoint and reloaded by the same loader as a Hugging Face one.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import tokenizers
@@ -26,15 +26,32 @@ class Tokenizer:
     any BOS / role markers, so adding them again here would duplicate them (transformers'
     `apply_chat_template(tokenize=True)` makes the same choice). `decode` drops special tokens,
     which is what a reward function wants to see.
+
+    `eos_ids` are all the ids generation stops at: `eos_id` (the one appended to demonstrations)
+    and any more a checkpoint's generation_config.json lists; a chat model's turn often ends with
+    one of those (Llama-3-Instruct: `<|eot_id|>`, while its eos_token is `<|end_of_text|>`).
     """
 
-    def __init__(self, tok: tokenizers.Tokenizer, eos_token: str, pad_token: str | None = None):
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        eos_token: str,
+        pad_token: str | None = None,
+        stop_ids: Iterable[int] = (),
+    ):
         self.tok = tok
         self.eos_token = eos_token
         self.pad_token = pad_token or eos_token
         self.eos_id = self._id(self.eos_token, "eos_token")
         self.pad_id = self._id(self.pad_token, "pad_token")
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.eos_ids = tuple(dict.fromkeys([self.eos_id, *stop_ids]))
+        for token_id in self.eos_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"generation_config.json: eos_token_id {token_id} is not an id of the "
+                    f"tokenizer's {self.vocab_size}-token vocabulary"
+                )
 
     def _id(self, token: str, field: str) -> int:
         token_id = self.tok.token_to_id(token)
@@ -70,7 +87,8 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     """Loads `tokenizer.json` and the special tokens of `tokenizer_config.json` from a checkpoint.
 
     A checkpoint without a pad token pads with EOS (padding is masked out everywhere, so any
-    in-vocabulary id works).
+    in-vocabulary id works). The stop ids of `generation_config.json` (`eos_token_id`, an int or
+    a list), when there is one, join `eos_ids`, as transformers' `generate` stops at them.
     """
     directory = Path(directory)
     tok_file = directory / "tokenizer.json"
@@ -82,7 +100,16 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if eos is None:
         raise ValueError(f"{config_file}: eos_token is missing; the engine needs a stop token")
     pad = _token_str(config.get("pad_token"), "pad_token")
-    return Tokenizer(tokenizers.Tokenizer.from_file(str(tok_file)), eos, pad)
+    tok = tokenizers.Tokenizer.from_file(str(tok_file))
+    return Tokenizer(tok, eos, pad, _generation_stop_ids(directory / "generation_config.json"))
+
+
+def _generation_stop_ids(path: Path) -> list[int]:
+    stop = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    ids = [] if stop is None else [stop] if isinstance(stop, int) else stop
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be an int or a list of ints, got {stop!r}")
+    return ids
 
 
 def char_tokenizer(alphabet: str) -> Tokenizer:

@@ -144,7 +144,7 @@ def test_hosts_on_other_machines_take_no_devices_here(monkeypatch):
     model = models.create(models.ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
                                              num_layers=1, num_heads=2, num_kv_heads=1,
                                              head_dim=8))  # fmt: skip
-    (evaluation,) = app_lib.make_engines(config, model, settings.plan, eos_id=1)
+    (evaluation,) = app_lib.make_engines(config, model, settings.plan, eos_ids=(1,))
     assert evaluation.mesh is settings.plan.train_mesh
 
 

@@ -69,3 +69,27 @@ def test_missing_pad_falls_back_to_eos_and_missing_eos_is_an_error(tmp_path):
         tokenizer_lib.load_tokenizer(directory)
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         tokenizer_lib.load_tokenizer(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("stop", [["<|eot_id|>"], ["<|endoftext|>", "<|eot_id|>"], "<|eot_id|>"])
+def test_eos_ids_add_generation_configs_as_transformers_reads_them(tmp_path, stop):
+    """A chat turn that ends with a stop id only generation_config.json lists (Llama-3-Instruct's
+    <|eot_id|>) ran on to max_decode_length: the engines got the tokenizer's eos alone."""
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|endoftext|>"}
+    directory = write_hf_tokenizer_dir(tmp_path, config)
+    assert tokenizer_lib.load_tokenizer(directory).eos_ids == (0,)
+    vocab = transformers.AutoTokenizer.from_pretrained(str(directory)).get_vocab()
+    ids = vocab[stop] if isinstance(stop, str) else [vocab[t] for t in stop]  # int or list
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+    ours = tokenizer_lib.load_tokenizer(directory)
+    ref = transformers.GenerationConfig.from_pretrained(str(directory)).eos_token_id
+    assert ours.eos_ids[0] == ours.eos_id == 0  # the one demonstrations end with
+    assert set(ours.eos_ids) == {ours.eos_id, *([ref] if isinstance(ref, int) else ref)}
+
+
+def test_bad_generation_config_stop_ids_are_refused(tmp_path):
+    directory = write_hf_tokenizer_dir(tmp_path, {"eos_token": "<|endoftext|>"})
+    for bad in ("<|eot_id|>", [1.5], 10**6):
+        (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": bad}))
+        with pytest.raises(ValueError, match="eos_token_id"):
+            tokenizer_lib.load_tokenizer(directory)
