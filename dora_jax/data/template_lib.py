@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Protocol
 
 import jinja2
+import jinja2.ext
+import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -55,12 +57,29 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     )
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` block, rendered as its body.
+
+    transformers uses it to mark assistant tokens for training masks; a prompt holds no
+    assistant turn, so the body is all it needs. Without it a checkpoint's template that uses
+    the block does not even parse.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)  # the `generation` tag itself
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 class ChatTemplate:
     """A jinja chat template applied to one user turn (and an optional system turn)."""
 
     def __init__(self, source: str, special_tokens: dict[str, str], system: str | None = None):
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=["jinja2.ext.loopcontrols", _GenerationBlock],
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception

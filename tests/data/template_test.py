@@ -14,6 +14,13 @@ from data_fixtures import (
 
 from dora_jax.data import template_lib
 
+# transformers' `{% generation %}` block (assistant-token masks), around every turn's content so
+# that its body is rendered in a prompt too: it did not parse here.
+GENERATION_BLOCK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% generation %}{{ m['content'] }}<|im_end|>\n{% endgeneration %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 PROMPTS = ["What is 2+2?", "  spaced  \n multi-line ", 'quotes " and {braces} and ünïcode']
 
 
@@ -31,6 +38,7 @@ def test_format_template():
     [
         (QWEN_LIKE_TEMPLATE, {"eos_token": "<|im_end|>"}),
         (LLAMA_LIKE_TEMPLATE, {"eos_token": "<|eot_id|>", "bos_token": "<|begin_of_text|>"}),
+        (GENERATION_BLOCK_TEMPLATE, {"eos_token": "<|im_end|>"}),
     ],
 )
 @pytest.mark.parametrize("system", [None, "Be brief."])
