@@ -9,7 +9,8 @@ crashing a reader thread.
 
 Formats:
   * `.jsonl` / `.json` - one JSON object per line; every line is a row (a blank line is a bad
-    row, so row numbers equal line numbers - 1).
+    row, so row numbers equal line numbers - 1); a leading UTF-8 byte-order mark is skipped.
+    A `.json` file that is one JSON array gives its elements as rows.
   * `.parquet` - one row per table row; only the prompt and answer columns are read.
   * `.array_record` / `.arrayrecord` - one UTF-8 JSON object per record.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,13 +37,19 @@ class Row:
     payload: Any  # bytes (JSONL, ArrayRecord) or dict (Parquet, memory)
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
 class _JsonlReader:
     """Byte offsets of every line, found in one pass; rows are read with `pread` (thread-safe)."""
 
     def __init__(self, path: str):
         self._fd = os.open(path, os.O_RDONLY)
-        self._offsets = [0]
         with open(path, "rb") as f:
+            # A UTF-8 byte-order mark (Windows tools, encoding='utf-8-sig') is not the first
+            # row's: left in, it made that row invalid JSON.
+            self._offsets = [len(_BOM) if f.read(len(_BOM)) == _BOM else 0]
+            f.seek(self._offsets[0])
             for line in f:
                 self._offsets.append(self._offsets[-1] + len(line))
         # A final newline ends the last row; it does not start an empty one.
@@ -107,7 +115,9 @@ def open_files(paths: Sequence[str | Path], fields: Sequence[str]) -> RowSource:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"data file {path} does not exist")
         suffix = Path(path).suffix.lower()
-        if suffix in (".jsonl", ".json"):
+        if suffix == ".json" and _is_json_array(path):
+            reader = _json_array(path)
+        elif suffix in (".jsonl", ".json"):
             reader = _JsonlReader(path)
         elif suffix == ".parquet":
             reader = _ParquetReader(path, fields)
@@ -120,6 +130,26 @@ def open_files(paths: Sequence[str | Path], fields: Sequence[str]) -> RowSource:
             )
         files.append((path, reader))
     return RowSource(files)
+
+
+def _is_json_array(path: str) -> bool:
+    """Whether a .json file is one JSON array (json.dump of a list, datasets' `to_json` with
+    lines=False) rather than JSON lines: read as lines, each of its lines was a bad row."""
+    with open(path, "rb") as f:
+        head = f.read(4096).removeprefix(_BOM).lstrip()
+    return head.startswith(b"[")
+
+
+def _json_array(path: str) -> list[Any]:
+    """The array's elements as rows (a non-object element is a bad row, like any other)."""
+    with open(path, encoding="utf-8-sig") as f:
+        try:
+            rows = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"data file {path}: not a valid JSON array ({e})") from e
+    if not isinstance(rows, list):
+        raise ValueError(f"data file {path}: a .json file must hold one array or JSON lines")
+    return rows
 
 
 def memory_rows(rows: Sequence[dict], name: str = "<memory>") -> RowSource:

@@ -36,6 +36,18 @@ def write_jsonl(path, rows):
     return path
 
 
+def write_jsonl_with_bom(path, rows):
+    """As Windows tools and pandas' encoding='utf-8-sig' write it."""
+    path.write_bytes(b"\xef\xbb\xbf" + b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+    return path
+
+
+def write_json_array(path, rows):
+    """One JSON array, as json.dump(rows) or datasets' to_json(lines=False) write it."""
+    path.write_text(json.dumps(rows, indent=1))
+    return path
+
+
 def write_array_record(path, rows):
     writer = ArrayRecordWriter(str(path), "group_size:1")
     for r in rows:
@@ -59,7 +71,10 @@ def as_tuples(records):
 
 
 @pytest.mark.parametrize("writer,suffix", [(write_jsonl, "jsonl"), (write_parquet, "parquet"),
-                                           (write_array_record, "array_record")])  # fmt: skip
+                                           (write_array_record, "array_record"),
+                                           (write_jsonl_with_bom, "jsonl"),
+                                           (write_json_array, "json"),
+                                           (write_jsonl, "json")])  # fmt: skip
 def test_every_format_yields_each_row_once_tokenized_through_the_template(tmp_path, writer, suffix):
     path = writer(tmp_path / f"d.{suffix}", ROWS)
     records = list(dataset(open_files([path], ["prompt", "answer"])))
