@@ -40,7 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.repeats = 3
 
     c.model = ml_collections.ConfigDict()
-    c.model.architecture = "LlamaForCausalLM"  # no q/k norms: the model the figures were taken on
+    c.model.architecture = "LlamaForCausalLM"  # no q/k norms: the model of the figures below
     c.model.vocab_size = 64
     c.model.hidden_size = 64
     c.model.intermediate_size = 128

@@ -36,10 +36,11 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # bias on q/k/v (Qwen2 always has it)
-    attention_out_bias: bool = False  # bias on o_proj (Llama's `attention_bias` sets both)
+    # The next three default (None) to what the architecture's config.json implies.
+    attention_bias: bool | None = None  # bias on q/k/v (Qwen2 always has it)
+    attention_out_bias: bool | None = None  # bias on o_proj (Llama's `attention_bias`: both)
     mlp_bias: bool = False
-    qk_norm: bool = True  # Qwen3 (the default architecture): RMSNorm over head_dim on q and k
+    qk_norm: bool | None = None  # RMSNorm over head_dim on q and k before rotary (Qwen3)
     # Mixture of experts (Qwen3-MoE); num_experts == 0 means every layer is dense.
     num_experts: int = 0
     num_experts_per_tok: int = 2
@@ -58,6 +59,13 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        qwen2 = self.architecture == "Qwen2ForCausalLM"
+        if self.qk_norm is None:
+            object.__setattr__(self, "qk_norm", self.architecture.startswith("Qwen3"))
+        if self.attention_bias is None:
+            object.__setattr__(self, "attention_bias", qwen2)
+        if self.attention_out_bias is None:
+            object.__setattr__(self, "attention_out_bias", False if qwen2 else self.attention_bias)
         self._check_expressible()
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
@@ -155,17 +163,7 @@ class ModelConfig:
             attention_out_bias=False if is_qwen2 else llama_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            num_experts=(
-                hf.get("num_experts", hf.get("num_local_experts", 128))
-                if arch == "Qwen3MoeForCausalLM"
-                else 0
-            ),
-            # Missing MoE keys take transformers' Qwen3MoeConfig defaults, as it would.
-            num_experts_per_tok=hf.get("num_experts_per_tok", 8),
-            moe_intermediate_size=hf.get("moe_intermediate_size", 768),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            **(_moe_fields(hf) if arch == "Qwen3MoeForCausalLM" else {}),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -209,6 +207,19 @@ class ModelConfig:
                 mlp_only_layers=list(self.mlp_only_layers),
             )
         return hf
+
+
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen3-MoE config.json's expert settings; a missing key takes transformers'
+    Qwen3MoeConfig default, as transformers itself would (it writes only non-default keys)."""
+    return dict(
+        num_experts=hf.get("num_experts", hf.get("num_local_experts", 128)),
+        num_experts_per_tok=hf.get("num_experts_per_tok", 8),
+        moe_intermediate_size=hf.get("moe_intermediate_size", 768),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+    )
 
 
 def _freeze(d: dict[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:

@@ -159,21 +159,20 @@ def test_unsupported_activation_is_refused(tmp_path):
     [
         ({"architecture": "Qwen3ForCausalLM", "qk_norm": False}, "qk_norm=True"),
         ({"architecture": "LlamaForCausalLM", "qk_norm": True}, "qk_norm=False"),
-        ({"architecture": "Qwen2ForCausalLM", "qk_norm": False}, "attention_bias=True"),
+        ({"architecture": "Qwen2ForCausalLM", "attention_bias": False}, "attention_bias=True"),
         (
-            {
-                "architecture": "Qwen2ForCausalLM",
-                "qk_norm": False,
-                "attention_bias": True,
-                "attention_out_bias": True,
-            },
+            {"architecture": "Qwen2ForCausalLM", "attention_out_bias": True},
             "attention_out_bias=False",
         ),
         ({"architecture": "Qwen3ForCausalLM", "num_experts": 4}, "num_experts=0"),
         ({"architecture": "Qwen3MoeForCausalLM"}, "num_experts > 0"),
         ({"architecture": "Qwen3ForCausalLM", "mlp_bias": True}, "mlp_bias=False"),
         (
-            {"architecture": "LlamaForCausalLM", "qk_norm": False, "attention_bias": True},
+            {
+                "architecture": "LlamaForCausalLM",
+                "attention_bias": True,
+                "attention_out_bias": False,
+            },
             "attention_out_bias=False to equal attention_bias=True",
         ),
     ],
@@ -183,6 +182,13 @@ def test_configs_config_json_cannot_state_are_refused(fields, named):
     fresh weights, and our own reader derives these switches from the architecture."""
     with pytest.raises(ValueError, match=re.escape(named)):
         ModelConfig(**fields)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+def test_an_architecture_alone_gives_a_config_its_config_json_states(arch):
+    """Unset switches take the architecture's values, so the config survives config.json."""
+    config = ModelConfig(architecture=arch, num_experts=4 if "Moe" in arch else 0)
+    assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
 
 
 def test_bfloat16_load(tmp_path):
