@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from dora_jax.models import Functional, Transformer, sharding_lib
+from dora_jax.train.trainer_lib import row_sharding
 
 
 def pack_examples(
@@ -49,7 +50,8 @@ def sequence_loss(fn: Functional, params, tokens: jax.Array, mask: jax.Array) ->
 
 
 class SupervisedTrainer:
-    """AdamW on the sequence loss, params sharded over `mesh`, batch sharded over `fsdp`."""
+    """AdamW on the sequence loss, params sharded over `mesh`, batch rows split over `fsdp` when
+    it divides them (else replicated, as in the RL trainer)."""
 
     def __init__(self, model: Transformer, mesh: Mesh, learning_rate: float, steps: int):
         self.fn, params = Functional.of(sharding_lib.shard_model(model, mesh))
@@ -58,7 +60,7 @@ class SupervisedTrainer:
         schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, 2))
         self._tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.9, 0.98))
         self.opt_state = self._tx.init(params)
-        self._data = NamedSharding(mesh, PartitionSpec("fsdp"))
+        self._mesh = mesh
         self._step = jax.jit(self._update, donate_argnums=(0, 1))
 
     def _update(self, params, opt_state, tokens, mask):
@@ -67,8 +69,8 @@ class SupervisedTrainer:
         return optax.apply_updates(params, updates), opt_state, loss
 
     def step(self, tokens: np.ndarray, mask: np.ndarray) -> float:
-        tokens = jax.device_put(tokens, self._data)
-        mask = jax.device_put(mask, self._data)
+        data = row_sharding(self._mesh, len(tokens))
+        tokens, mask = jax.device_put((tokens, mask), data)
         self.params, self.opt_state, loss = self._step(self.params, self.opt_state, tokens, mask)
         return float(loss)
 

@@ -72,3 +72,25 @@ def test_learns_to_reverse_short_strings_on_a_sharded_mesh():
             seq.append(int(np.argmax(np.asarray(model(jnp.asarray([seq])))[0, -1])))
         correct += seq[len(prompt) :] == response
     assert correct / len(tests) >= 0.8
+
+
+def test_step_on_a_mesh_whose_fsdp_does_not_divide_the_rows_equals_one_device():
+    """5 rows on fsdp=3 (runtime.train_devices=3): the rows are replicated, not split, and the
+    step is the 1-device step; splitting them raised an IndivisibleError inside JAX."""
+    rng = np.random.RandomState(0)
+    batch = sft_lib.pack_examples(
+        [(list(rng.randint(1, 10, size=3)), list(rng.randint(1, 10, size=3))) for _ in range(5)],
+        8,
+        0,
+    )
+    runs = []
+    for devices, fsdp in ((jax.devices()[:1], 1), (jax.devices()[:3], 3)):
+        mesh = sharding_lib.make_mesh(devices, fsdp, 1)
+        trainer = sft_lib.SupervisedTrainer(create(CONFIG, seed=0), mesh, 1e-2, steps=10)
+        # Two steps: the warm-up schedule's first learning rate is 0, so only the second moves.
+        losses = [trainer.step(*batch) for _ in range(2)]
+        runs.append((losses, jax.tree.leaves(jax.device_get(trainer.params))))
+    (single_losses, single_params), (mesh_losses, mesh_params) = runs
+    np.testing.assert_allclose(mesh_losses, single_losses, rtol=1e-5)
+    for got, want in zip(mesh_params, single_params, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
