@@ -485,10 +485,15 @@ def evaluate(
 
 
 def _engine_settings(config: ml_collections.ConfigDict, eos_ids: Sequence[int]) -> dict[str, Any]:
+    prompt, response = config.data.max_prompt_len, config.engine.max_decode_length
+    # `partial` re-prefills prompt + tokens so far after every weight update; the KV cache
+    # still holds one prompt and the longest response, as in the other modes.
+    prefill = prompt + response if config.rollout.mode == "partial" else prompt
     return {
         "max_concurrent_decodes": config.engine.slots,
-        "max_prefill_length": config.data.max_prompt_len,
-        "max_decode_length": config.engine.max_decode_length,
+        "max_prefill_length": prefill,
+        "cache_length": prompt + response,
+        "max_decode_length": response,
         "sampling": _sampling(config),
         "eos_ids": tuple(eos_ids),
     }

@@ -206,6 +206,25 @@ def test_cli_reports_a_bad_field_and_exits_non_zero():
 
 
 @pytest.mark.slow
+def test_partial_runs_through_the_app_re_prefilling_past_the_prompt_limit(tmp_path):
+    """partial re-prefills prompt + generated-so-far at each weight update: with prefill sized
+    for prompts alone, the first update took out every instance and the run died."""
+    config = default.get_config()
+    config.rollout.update(mode="partial", num_iterations=3, train_batch_size=8,
+                          rollout_batch_size=16, group_size=4)  # fmt: skip
+    config.sft.steps = 2
+    config.engine.slots = 4
+    config.eval.update(num_prompts=4, samples_per_prompt=1)
+    summary = app_lib.train_and_evaluate(config, str(tmp_path), progress=False)
+    assert summary["iterations"] == 3
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert sum(record.get("reprefills", 0) for record in map(json.loads, f)) > 0
+    report = audit_lib.audit(str(tmp_path))
+    # Tokens of one trajectory from several versions: C1 fails by design, nothing else does.
+    assert {rule for rule, ok in report.rules.items() if not ok} == {"C1"}
+
+
+@pytest.mark.slow
 def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
     task = LongTailTask()
     checkpoint = tmp_path / "policy"
