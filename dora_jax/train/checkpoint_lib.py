@@ -5,7 +5,10 @@ caller's shardings), `data` (the grain iterator's position, through grain's own 
 and `meta` (JSON: seed, version counter, ledger byte offset, rollout state — which prompt
 groups were dispatched, finished or queued, with the finished trajectories themselves).
 Saving all of them in one atomic orbax step is what makes "resume from the newest checkpoint"
-safe: a step directory either has every item or is not a checkpoint at all.
+safe: a step directory either has every item or is not a checkpoint at all. Orbax marks a
+finished step with `commit_success.txt` whatever the filesystem, but on a local one it lists any
+numbered directory as a step; steps are listed here by that marker instead, so a step directory
+left unfinished (an interrupted copy of a workdir, a non-atomic filesystem) is never resumed from.
 
 In a training group (`runtime.training_hosts_lib`) the controller alone saves and restores: it
 holds the train state as host arrays gathered from every process, and the other processes
@@ -14,8 +17,10 @@ never call orbax, so orbax must not wait for them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import grain
@@ -42,6 +47,12 @@ class Checkpointer:
                 primary_host=jax.process_index(), active_processes={jax.process_index()}
             )
             epath.Path(directory).mkdir(parents=True, exist_ok=True)  # orbax won't, then
+        # Only the listing checks the commit marker: saves keep orbax's default (atomic rename).
+        self._names = ocp.step.standard_name_format(
+            atomicity_options=ocp.options.AtomicityOptions(
+                mode=ocp.options.AtomicityMode.COMMIT_FILE
+            )
+        )
         self._manager = ocp.CheckpointManager(
             directory,
             options=ocp.CheckpointManagerOptions(
@@ -49,10 +60,12 @@ class Checkpointer:
                 enable_async_checkpointing=async_save,
                 create=jax.process_count() == 1,
                 multiprocessing_options=processes,
+                step_name_format=self._names,
             ),
         )
 
     def latest_step(self) -> int | None:
+        """The newest finished step (one with orbax's commit marker), or None."""
         return self._manager.latest_step()
 
     def save(
@@ -94,13 +107,25 @@ class Checkpointer:
         }
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-        out = self._manager.restore(step, args=ocp.args.Composite(**items))
+        with self._naming(step):
+            out = self._manager.restore(step, args=ocp.args.Composite(**items))
         return Restored(step, out["train_state"], dict(out["meta"]))
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """The JSON meta of `step` alone: what a caller checks before restoring any array."""
-        out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        with self._naming(step):
+            out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(out["meta"])
+
+    @contextlib.contextmanager
+    def _naming(self, step: int) -> Iterator[None]:
+        """Names the step directory in a failed read: orbax's own errors (a truncated JSON file,
+        a missing item) say neither which checkpoint nor which workdir."""
+        try:
+            yield
+        except Exception as e:
+            path = self._manager.directory / self._names.build_name(step)
+            raise ValueError(f"cannot restore checkpoint {path}: {type(e).__name__}: {e}") from e
 
     def wait(self) -> None:
         """Blocks until pending async saves are on disk."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from dora_jax.models import ModelConfig, create, sharding_lib
@@ -65,3 +68,36 @@ def test_keeps_only_the_newest_steps(tmp_path, monkeypatch):
     ckpt.close()
     assert Checkpointer(str(tmp_path)).latest_step() == 3
     assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2, 3]
+
+
+def test_skips_step_directories_orbax_never_finished(tmp_path):
+    """An interrupted copy of a workdir can hold a numbered step without orbax's commit marker:
+    taking it as the newest made the resume die with a bare KeyError. The newest finished step
+    is used instead, and saving that step number again replaces the unfinished directory."""
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    for step in (1, 2):
+        ckpt.save(step, train_state={"w": jnp.full(3, step)}, data_iterator=None, meta={"s": step})
+    ckpt.close()
+    shutil.copytree(tmp_path / "2", tmp_path / "3")
+    for marker in ("commit_success.txt", "_CHECKPOINT_METADATA"):
+        (tmp_path / "3" / marker).unlink()
+    (tmp_path / "4").mkdir()
+
+    fresh = Checkpointer(str(tmp_path), async_save=False)
+    assert fresh.latest_step() == 2
+    assert fresh.read_meta(2) == {"s": 2}
+    fresh.save(3, train_state={"w": jnp.full(3, 3)}, data_iterator=None, meta={"s": 3})
+    fresh.close()
+    assert Checkpointer(str(tmp_path)).read_meta(3) == {"s": 3}
+
+
+def test_an_unreadable_step_is_named_in_the_error(tmp_path):
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(5, train_state={"w": jnp.ones(3)}, data_iterator=None, meta={"s": 5})
+    ckpt.close()
+    (tmp_path / "5" / "meta" / "metadata").write_text("{trunc")
+    fresh = Checkpointer(str(tmp_path))
+    with pytest.raises(ValueError, match=str(tmp_path / "5")):
+        fresh.read_meta(5)
+    with pytest.raises(ValueError, match=str(tmp_path / "5")):
+        fresh.restore(5, train_state_like={"w": jnp.ones(3)}, data_iterator=None)
