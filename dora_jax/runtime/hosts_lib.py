@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import multiprocessing
+import multiprocessing.reduction
+import threading
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -43,10 +45,16 @@ class EngineSpec:
     model_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. dtypes
 
 
-# How long the controller waits for any one answer. Generous: a host's first admission and
-# decode step compile (minutes for a large model on an accelerator); past it the host counts as
-# hung and its instance fails, rather than the whole run waiting forever on one machine.
+# How long the controller waits for any one answer, or to hand over one command. Generous: a
+# host's first admission and decode step compile (minutes for a large model on an accelerator);
+# past it the host counts as hung and its instance fails, rather than the whole run waiting
+# forever on one machine.
 ANSWER_TIMEOUT_S = 1800.0
+# Commands up to this size go out from the controller's thread: they fit the connection's
+# buffer, so writing them cannot wait on the host. Larger ones (a version's weights, a
+# migrated slot) block until the host reads them, so they are written by a thread that the
+# controller waits for with the timeout.
+_INLINE_SEND_BYTES = 64 * 1024
 
 
 class HostError(RuntimeError):
@@ -269,14 +277,41 @@ class RemoteEngine:
 
     def send(self, command: str, *args: Any) -> int:
         """Sends a command; returns the ticket its answer will carry."""
-        try:
-            while self._released:  # handles the controller dropped: free them on the host
-                self.connection.send(("drop", (self._released.pop(),)))
-            self.connection.send((command, args))
-        except OSError as e:
-            raise HostError(f"{self.name}: the connection ended ({e!r})") from e
+        while self._released:  # handles the controller dropped: free them on the host
+            self._write(("drop", (self._released.pop(),)))
+        self._write((command, args))
         self._sent += 1
         return self._sent - 1
+
+    def _write(self, message: Any) -> None:
+        """One message on the connection (as `Connection.send` frames it), within `timeout_s`:
+        a host that stopped reading is a `HostError` and is cut off, not a controller blocked
+        for good in a write."""
+        data = multiprocessing.reduction.ForkingPickler.dumps(message)
+        failure: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                self.connection.send_bytes(data)
+            except Exception as e:  # noqa: BLE001 - also a write cut off by closing below
+                failure.append(e)
+
+        if len(data) <= _INLINE_SEND_BYTES:
+            write()
+        else:
+            writer = threading.Thread(target=write, name=f"{self.name}-send", daemon=True)
+            writer.start()
+            writer.join(self.timeout_s)
+            if writer.is_alive():
+                # Half a message is on the wire: the connection is unusable either way.
+                if self.process is not None:
+                    self.process.kill()
+                self.connection.close()
+                raise HostError(
+                    f"{self.name}: could not hand over a command in {self.timeout_s:g} s"
+                )
+        if failure:
+            raise HostError(f"{self.name}: the connection ended ({failure[0]!r})") from failure[0]
 
     def wait(self, ticket: int) -> Any:
         """The answer to `ticket`, reading (and keeping) the earlier ones first."""

@@ -9,8 +9,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 import jax
+import numpy as np
 import pytest
 from tiny_models import DENSE, VOCAB
 
@@ -151,3 +153,27 @@ def test_a_silent_or_vanished_host_is_an_error_not_a_hang():
     theirs.close()
     with pytest.raises(hosts_lib.HostError, match="quiet: the connection ended"):
         engine.init_decode_state()
+
+
+def test_a_host_that_stops_reading_is_an_error_not_a_blocked_controller():
+    """A command bigger than the connection's buffer (a version's weights) waits for the host
+    to read it; a host that never does must fail its instance like a silent one."""
+    ours, theirs = multiprocessing.Pipe()
+    theirs.send(dict(max_concurrent_decodes=1, max_prefill_length=8, max_decode_length=8,
+                     cache_length=16, prefill_buckets=(8,)))  # fmt: skip
+    engine = hosts_lib.RemoteEngine(ours, name="stopped", timeout_s=0.5)
+    raised: list[BaseException] = []
+
+    def place_weights():
+        try:
+            engine.place({"w": np.zeros(1 << 20, np.float32)})  # 4 MB
+        except BaseException as e:  # noqa: BLE001 - the test reads it below
+            raised.append(e)
+
+    caller = threading.Thread(target=place_weights, daemon=True)
+    caller.start()
+    caller.join(30)  # a regression blocks for good: fail here, not at the suite's timeout
+    assert not caller.is_alive(), "the controller is still blocked writing to the host"
+    assert isinstance(raised[0], hosts_lib.HostError)
+    assert "stopped: could not hand over a command in 0.5 s" in str(raised[0])
+    theirs.close()
