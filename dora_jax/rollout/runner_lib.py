@@ -347,28 +347,36 @@ class Rollout:
 
     def load(self, x: RolloutInstance, version: int, source: RolloutInstance | None) -> None:
         """Weight move: from `source` (an instance holding `version`) or the trainer's copy.
-        An engine error takes `x` out (its requests requeued), even where the fault was the
-        source's: the source's own next call fails it in turn."""
-        if not x.healthy:
-            return
-        if source is not None and not source.healthy:  # taken out since the plan was made
-            source = next((y for y in self.healthy() if y.version == version), None)
+        An engine error takes out the instance at fault: `x`, or a source whose generation host
+        cannot be read, after which another holder or the trainer's copy serves (taking `x`
+        out for its source's fault would cascade through every instance that copies from it)."""
+        while x.healthy:
+            if source is not None and not source.healthy:  # taken out since the plan was made
+                source = next((y for y in self.healthy() if y.version == version), None)
+                if source is None and version not in self.staged:
+                    return  # its requests went to the newest version with the instance
             if source is None and version not in self.staged:
-                return  # its requests went to the newest version with the instance
-        if source is None and version not in self.staged:
-            raise RuntimeError(f"v{version} is not held anywhere; cannot load it on {x.name}")
-        params = source.params.state if source is not None else self.staged[version]
-        t0 = self.trace.now_us()
-        try:
-            seconds, nbytes = x.load(version, params)
-        except Exception:  # noqa: BLE001 - any engine error takes the instance out
-            self._fail(x)
+                raise RuntimeError(f"v{version} is not held anywhere; cannot load it on {x.name}")
+            params = source.params.state if source is not None else self.staged[version]
+            t0 = self.trace.now_us()
+            try:
+                seconds, nbytes = x.load(version, params)
+            except transfer_lib.SourceError:
+                assert source is not None  # the trainer's copy is never on a host (`_staging`)
+                x.unload()  # holds nothing now, and is ready for the next try or the next plan
+                self._fail(source)
+                continue
+            except Exception:  # noqa: BLE001 - any engine error takes the instance out
+                self._fail(x)
+                return
+            origin = "trainer" if source is None else source.name
+            self.telemetry.action(
+                x.name, f"load v{version}", t0, self.trace.now_us(), source=origin
+            )
+            self.telemetry.counters["weight_moves"] += 1
+            self.telemetry.counters["weight_move_s"] += seconds
+            self.telemetry.counters["weight_move_bytes"] += nbytes
             return
-        origin = "trainer" if source is None else source.name
-        self.telemetry.action(x.name, f"load v{version}", t0, self.trace.now_us(), source=origin)
-        self.telemetry.counters["weight_moves"] += 1
-        self.telemetry.counters["weight_move_s"] += seconds
-        self.telemetry.counters["weight_move_bytes"] += nbytes
 
     def migrate(self, src: RolloutInstance, slot: int, dst: RolloutInstance, dst_slot: int):
         """Moves a request with its KV cache to another instance of the same version. An engine

@@ -21,6 +21,11 @@ import jax
 from dora_jax.runtime.hosts_lib import HostHandle, RemoteTarget
 
 
+class SourceError(RuntimeError):
+    """The params could not be read from the generation host holding them: the fault is the
+    source's, not the target's, so the caller takes the source out, not the instance loading."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Transfer:
     tree: Any  # the placed pytree
@@ -45,7 +50,10 @@ def put(tree: Any, shardings: Any, *, copy: bool = False) -> Transfer:
     if isinstance(tree, HostHandle):
         if remote and tree.engine is shardings.engine and not copy:
             return Transfer(tree, time.perf_counter() - start, tree.nbytes)
-        tree = tree.fetch()
+        try:
+            tree = tree.fetch()
+        except Exception as e:
+            raise SourceError(f"{tree.engine.name}: could not read its params ({e})") from e
     if remote:
         placed = shardings.engine.place(jax.device_get(tree))
     else:

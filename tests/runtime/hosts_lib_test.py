@@ -17,7 +17,7 @@ import pytest
 from tiny_models import DENSE, VOCAB
 
 from dora_jax import models
-from dora_jax.engine import Engine
+from dora_jax.engine import Engine, Request
 from dora_jax.models import sharding_lib
 from dora_jax.rollout import audit_lib, ledger_lib, request_lib, runner_lib
 from dora_jax.rollout.config_lib import RolloutConfig
@@ -177,3 +177,36 @@ def test_a_host_that_stops_reading_is_an_error_not_a_blocked_controller():
     assert isinstance(raised[0], hosts_lib.HostError)
     assert "stopped: could not hand over a command in 0.5 s" in str(raised[0])
     theirs.close()
+
+
+@pytest.mark.slow
+def test_a_dead_host_is_blamed_not_the_instance_copying_a_version_from_it(tmp_path):
+    """Copying a version from an instance whose host died must take that instance out and load
+    the trainer's copy instead: failing the healthy destination cascaded through every instance
+    that copied from the dead one, until the run had none left."""
+    remote = hosts_lib.start_local_hosts([hosts_lib.EngineSpec(MODEL, 0, ENGINE)] * 2)
+    try:
+        trainer = Trainer(
+            models.create(MODEL, seed=0),
+            TrainConfig(tbs=8, group_size=4, learning_rate=1e-3, length_buckets=(64,)),
+            sharding_lib.make_mesh(jax.devices()[:1], 1, 1),
+        )
+        prompts = request_lib.heavy_tail_prompts(
+            seed=0, group_size=4, vocab_size=VOCAB, median_length=6, max_length=32
+        )
+        rollout = runner_lib.Rollout(
+            CONFIG, remote, trainer, prompts, lambda pid, toks: 0.0, str(tmp_path)
+        )
+        dead, alive = rollout.instances
+        rollout.load(dead, 0, None)
+        remote[0].process.kill()
+        remote[0].process.join()
+        rollout.load(alive, 0, dead)
+        assert alive.healthy and alive.version == 0 and not dead.healthy
+        # The version loaded is the trainer's: the host decodes with it.
+        request = Request(prompt_tokens=[1, 2, 3], max_new_tokens=4, ignore_eos=True)
+        _, first = remote[1].admit(alive.params, remote[1].init_decode_state(), [request], [0])
+        assert first.convert_to_numpy().valid[0]
+    finally:
+        for engine in remote:
+            engine.close()
