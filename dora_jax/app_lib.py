@@ -345,12 +345,18 @@ class RewardAdapter:
         self.overlong = overlong
         self.penalized = 0
 
-    def __call__(self, prompt_id: int, tokens: np.ndarray) -> float:
-        text = self.tokenizer.decode([int(t) for t in tokens])
-        reward = self.runner.score([(prompt_id, text, self.prompts.answer(prompt_id))])[0]
-        penalty = self.overlong(len(tokens))
-        self.penalized += penalty < 0
-        return reward + penalty
+    def __call__(self, batch: Sequence[tuple[int, np.ndarray]]) -> list[float]:
+        """A turn's finished samples, scored by the runner's workers together."""
+        items = [
+            (pid, self.tokenizer.decode([int(t) for t in tokens]), self.prompts.answer(pid))
+            for pid, tokens in batch
+        ]
+        rewards = []
+        for reward, (_, tokens) in zip(self.runner.score(items), batch, strict=True):
+            penalty = self.overlong(len(tokens))
+            self.penalized += penalty < 0
+            rewards.append(reward + penalty)
+        return rewards
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters, the reward runner's and the overlong penalty's."""

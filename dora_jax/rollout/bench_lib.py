@@ -44,9 +44,12 @@ REPORTED = ("trained_tokens_per_s", "rollout_time_s", "step_time_s", "bubble_fra
 TABLE = (*REPORTED, "instance_steps", "cpu_seconds")
 
 
-def _parity_reward(prompt_id: int, tokens: np.ndarray) -> float:
+def _parity(prompt_id: int, tokens: np.ndarray) -> float:
     """A cheap deterministic reward with both outcomes in every group, so updates are real."""
     return float((int(tokens.sum()) + prompt_id) % 2)
+
+
+_parity_reward = request_lib.per_sample(_parity)
 
 
 class FinitePrompts:

@@ -258,6 +258,7 @@ class Rollout:
         busy: list[list[int]] = [[] for _ in self.instances]  # per instance, per step run
         stepping = [x for x in self.healthy() if x.active()]
         failed = []
+        finished: list[Request] = []
         for x in stepping:
             try:
                 x.dispatch_generate(self.config.decode_steps_per_turn)
@@ -267,12 +268,12 @@ class Rollout:
             if x in failed:
                 continue
             try:
-                finished, busy[x.index] = x.collect()
+                done, busy[x.index] = x.collect()
             except Exception:  # noqa: BLE001
                 failed.append(x)
                 continue
-            for request in finished:
-                self._finish(request)
+            finished.extend(done)
+        self._finish(finished)
         now = self.trace.now_us()
         for x in self.healthy():
             label = "decode" if busy[x.index] else "idle"
@@ -286,13 +287,20 @@ class Rollout:
             self._fail(x)
         return max(map(len, busy))
 
-    def _finish(self, request: Request) -> None:
-        traj = request.to_trajectory(
-            self.reward_fn(request.prompt.prompt_id, np.asarray(request.tokens, np.int32))
+    def _finish(self, requests: Sequence[Request]) -> None:
+        """Scores a turn's finished requests in one reward call and queues their trajectories,
+        in the order the instances handed them back."""
+        if not requests:
+            return
+        rewards = self.reward_fn(
+            [(r.prompt.prompt_id, np.asarray(r.tokens, np.int32)) for r in requests]
         )
-        self.queue.finish(traj)
-        del self.unfinished[request.key]
-        self.totals["finished"] += 1
+        if len(rewards) != len(requests):
+            raise ValueError(f"the reward function gave {len(rewards)} rewards for {len(requests)}")
+        for request, reward in zip(requests, rewards, strict=True):
+            self.queue.finish(request.to_trajectory(float(reward)))
+            del self.unfinished[request.key]
+            self.totals["finished"] += 1
 
     def _fail(self, x: RolloutInstance, prefilling: Sequence[Request] = ()) -> None:
         """Requeues a failed instance's requests (those in its slots and those it was

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import types
 
 import numpy as np
@@ -171,12 +172,31 @@ def test_the_trained_reward_is_the_tasks_plus_the_overlong_penalty():
     runner = app_lib.RewardRunner(app_lib.get_reward("exact_match"), timeout_s=5.0)
     reward = app_lib.RewardAdapter(runner, tokenizer, prompts, settings.overlong)
     right, wrong = [7], [3]
-    assert reward(0, np.asarray(right, np.int32)) == 1.0
-    assert reward(0, np.asarray([10] * 43 + right, np.int32)) == 1.0 - 0.5 * 4 / 8
-    assert reward(0, np.asarray([10] * 47 + wrong, np.int32)) == -0.5
-    assert reward(0, np.asarray([10] * 39 + wrong, np.int32)) == 0.0
+    responses = [right, [10] * 43 + right, [10] * 47 + wrong, [10] * 39 + wrong]
+    scored = reward([(0, np.asarray(tokens, np.int32)) for tokens in responses])
+    assert scored == [1.0, 1.0 - 0.5 * 4 / 8, -0.5, 0.0]
     assert reward.metrics()["reward/overlong_penalized"] == 2
     assert reward.metrics()["reward/calls"] == 4
+
+
+def test_a_turns_samples_are_scored_concurrently():
+    """The rollout hands the reward a turn's finished samples at once: a reward that waits
+    (a sandbox, a judge) runs them side by side. Four calls meet at a barrier of four, which
+    breaks (an error, scored 0) unless all four are in flight together."""
+    barrier = threading.Barrier(4)
+
+    def meet(completion, answer):
+        barrier.wait(timeout=10)
+        return 1.0
+
+    prompts = app_lib.PromptStream(iter([{"prompt_tokens": [1], "answer": "x"}]), 4, 8)
+    prompts(0)
+    runner = app_lib.RewardRunner(meet, timeout_s=20.0, max_workers=4)
+    tokenizer = types.SimpleNamespace(decode=lambda ids: "y")
+    overlong = app_lib.validate(default.get_config()).overlong
+    reward = app_lib.RewardAdapter(runner, tokenizer, prompts, overlong)
+    assert reward([(0, np.asarray([1], np.int32))] * 4) == [1.0] * 4
+    assert runner.counters.errors == 0
 
 
 def test_real_recipe_is_a_valid_config():

@@ -175,3 +175,18 @@ def test_spare_slots_take_older_versions_work_and_the_newest_stays_within_rbs(tm
     rollout.run()
     assert after_newest and max(after_newest) <= rollout.rollout_batch_size
     assert older  # the spare slots of older versions' instances did take work
+
+
+def test_a_turns_finished_samples_are_scored_in_one_call_each_with_its_own_reward(tmp_path):
+    rollout, _, _ = make_rollout(
+        str(tmp_path), mode="dora", num_instances=2, slots=4, group_size=4, train_batch_size=8,
+        rollout_batch_size=24, staleness_bound=2, num_iterations=4,
+    )  # fmt: skip
+    per_sample = rollout.reward_fn  # the harness's: response length % 2
+    batches = []
+    rollout.reward_fn = lambda batch: batches.append(len(batch)) or per_sample(batch)
+    rollout.run()
+    assert sum(batches) == rollout.totals["finished"] and max(batches) > 1
+    # Rewards stay attached to their own samples: recomputed from the ledger's lengths.
+    trained = [e for e in ledger_lib.read(str(tmp_path)) if e["event"] == "train"]
+    assert trained and all(e["reward"] == e["response_length"] % 2 for e in trained)

@@ -59,7 +59,7 @@ def test_dora_on_the_real_engine_and_trainer(tmp_path):
         engines,
         trainer,
         prompts,
-        lambda pid, toks: float((toks == 3).mean()),
+        request_lib.per_sample(lambda pid, toks: float((toks == 3).mean())),
         str(tmp_path),
     )
     metrics = rollout.run()

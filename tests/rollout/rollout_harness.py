@@ -54,7 +54,7 @@ def make_rollout(
         engines,
         trainer,
         prompts,
-        lambda pid, toks: float(len(toks) % 2),
+        request_lib.per_sample(lambda pid, toks: float(len(toks) % 2)),
         workdir,
         checkpoint_every=checkpoint_every,
         on_checkpoint=on_checkpoint,
@@ -80,7 +80,7 @@ def bench_schedule(config: ml_collections.ConfigDict, entry: str, workdir: str) 
         for i in range(config.runtime.num_instances)
     ]
     prompts = bench_lib.workload(config, config.seed, cfg.num_iterations)
-    rollout = runner_lib.Rollout(cfg, engines, _trainer(cfg), prompts, lambda p, t: 0.0, workdir)
+    rollout = runner_lib.Rollout(cfg, engines, _trainer(cfg), prompts, _no_reward, workdir)
     return bench_lib.schedule_figures(rollout.run())
 
 
@@ -89,6 +89,10 @@ def _instance_mesh(i: int) -> jax.sharding.Mesh:
     compute next to nothing, so instances may share one)."""
     devices = jax.devices()
     return sharding_lib.make_mesh([devices[1 + i % (len(devices) - 1)]], 1, 1)
+
+
+def _no_reward(batch):
+    return [0.0] * len(batch)
 
 
 def _trainer(cfg: RolloutConfig) -> TrainerDouble:

@@ -48,7 +48,12 @@ def _run(engines, workdir, on_iteration=None) -> runner_lib.Rollout:
         seed=0, group_size=4, vocab_size=VOCAB, median_length=6, max_length=32
     )
     rollout = runner_lib.Rollout(
-        CONFIG, engines, trainer, prompts, lambda pid, toks: float((toks == 3).mean()), workdir
+        CONFIG,
+        engines,
+        trainer,
+        prompts,
+        request_lib.per_sample(lambda pid, toks: float((toks == 3).mean())),
+        workdir,
     )
     rollout.on_iteration = on_iteration
     rollout.run()
@@ -195,7 +200,12 @@ def test_a_dead_host_is_blamed_not_the_instance_copying_a_version_from_it(tmp_pa
             seed=0, group_size=4, vocab_size=VOCAB, median_length=6, max_length=32
         )
         rollout = runner_lib.Rollout(
-            CONFIG, remote, trainer, prompts, lambda pid, toks: 0.0, str(tmp_path)
+            CONFIG,
+            remote,
+            trainer,
+            prompts,
+            request_lib.per_sample(lambda pid, toks: 0.0),
+            str(tmp_path),
         )
         dead, alive = rollout.instances
         rollout.load(dead, 0, None)
