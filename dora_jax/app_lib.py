@@ -8,6 +8,7 @@ TensorBoard events, trace and checkpoints left in the workdir.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -299,9 +300,11 @@ def load_task(config: ml_collections.ConfigDict) -> TaskData:
 class PromptStream:
     """Rollout's prompt source: prompt id i is the next record of the grain pipeline.
 
-    Rollout asks for prompt ids in order, once each; records are kept so a group's answer is
-    known when its samples finish. A resumed run starts at `first_id` with the iterator
-    restored to the matching position (the checkpoint barrier leaves no prompt half-used).
+    Rollout asks for prompt ids in order, once each; a record is kept until every sample of its
+    group has been scored (each sample is scored once), so that its answer is known then and a
+    long run does not hold every prompt it ever read. A resumed run starts at `first_id` with
+    the iterator restored to the matching position (the checkpoint barrier leaves no prompt
+    half-used).
     """
 
     def __init__(self, iterator: Any, group_size: int, max_new_tokens: int, first_id: int = 0):
@@ -310,6 +313,7 @@ class PromptStream:
         self.max_new_tokens = max_new_tokens
         self.next_id = first_id
         self.records: dict[int, dict[str, Any]] = {}
+        self._scored: collections.Counter[int] = collections.Counter()
 
     def __call__(self, prompt_id: int) -> PromptSpec:
         if prompt_id not in self.records:
@@ -325,7 +329,12 @@ class PromptStream:
         )
 
     def answer(self, prompt_id: int) -> str:
-        return self.records[prompt_id]["answer"]
+        """The reference answer for one sample of the group about to be scored."""
+        answer = self.records[prompt_id]["answer"]
+        self._scored[prompt_id] += 1
+        if self._scored[prompt_id] == self.group_size:
+            del self.records[prompt_id], self._scored[prompt_id]
+        return answer
 
 
 class RewardAdapter:

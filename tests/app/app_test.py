@@ -179,6 +179,16 @@ def test_the_trained_reward_is_the_tasks_plus_the_overlong_penalty():
     assert reward.metrics()["reward/calls"] == 4
 
 
+def test_a_prompts_record_is_dropped_once_its_group_is_scored():
+    records = iter([{"prompt_tokens": [i], "answer": str(i)} for i in range(3)])
+    prompts = app_lib.PromptStream(records, group_size=2, max_new_tokens=4)
+    for prompt_id in range(3):
+        prompts(prompt_id)
+    assert prompts.answer(1) == prompts.answer(1) == "1"
+    assert sorted(prompts.records) == [0, 2]  # a run no longer holds every prompt it read
+    assert prompts.answer(0) == "0" and prompts.answer(2) == "2"
+
+
 def test_a_turns_samples_are_scored_concurrently():
     """The rollout hands the reward a turn's finished samples at once: a reward that waits
     (a sandbox, a judge) runs them side by side. Four calls meet at a barrier of four, which
