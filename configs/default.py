@@ -74,6 +74,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.reward = ml_collections.ConfigDict()
     c.reward.name = "exact_match"  # a registered name or a dotted path to a user function
     c.reward.timeout_s = 5.0
+    # "process": each call in a worker process, killed past the timeout even when stuck in C
+    # code; "thread" for a reward function that does not pickle (its hung calls are abandoned).
+    c.reward.isolation = "process"
     # DAPO's soft overlong punishment: a penalty growing linearly to -overlong_penalty over the
     # last overlong_buffer tokens before engine.max_decode_length (0 = off).
     c.reward.overlong_buffer = 0

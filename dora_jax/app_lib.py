@@ -99,7 +99,7 @@ _SECTION_FIELDS: dict[str, frozenset[str]] = {
         }
     ),
     "task": frozenset({*(f.name for f in dataclasses.fields(LongTailTask)), "demonstration_noise"}),
-    "reward": frozenset({"name", "timeout_s", "overlong_buffer", "overlong_penalty"}),
+    "reward": frozenset({"name", "timeout_s", "isolation", "overlong_buffer", "overlong_penalty"}),
     "engine": frozenset({"slots", "max_decode_length", "temperature", "top_k", "top_p"}),
     "sft": frozenset({"steps", "batch_size", "learning_rate"}),
     "eval": frozenset({"num_prompts", "samples_per_prompt"}),
@@ -146,8 +146,7 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
         _longtail_task(config)  # its errors name their task.* field
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "seed": config.seed})
     train = train_config(rollout, config.train)
-    reward = get_reward(config.reward.name)  # an unknown reward name fails here, not mid-run
-    _named("reward.", lambda: RewardRunner(reward, timeout_s=config.reward.timeout_s))
+    reward_runner(config)  # a bad reward fails here, not mid-run (its workers start later)
     overlong = OverlongPenalty(
         int(config.engine.max_decode_length),
         config.reward.overlong_buffer,
@@ -335,6 +334,16 @@ class PromptStream:
         if self._scored[prompt_id] == self.group_size:
             del self.records[prompt_id], self._scored[prompt_id]
         return answer
+
+
+def reward_runner(config: ml_collections.ConfigDict) -> RewardRunner:
+    """The task's reward under the runner's timeout, in worker processes (`reward.isolation`)."""
+    r = config.reward
+    fn = get_reward(r.name)  # its errors name reward.name
+    try:
+        return RewardRunner(fn, timeout_s=r.timeout_s, isolation=r.isolation)
+    except ValueError as e:  # the runner knows its own argument names only
+        raise ValueError(f"reward.{e}") from e
 
 
 class RewardAdapter:
@@ -586,7 +595,7 @@ def _train_and_evaluate(
     settings = validate(config)
     os.makedirs(workdir, exist_ok=True)
     data = load_task(config)
-    runner = RewardRunner(get_reward(config.reward.name), timeout_s=config.reward.timeout_s)
+    runner = reward_runner(config)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
     latest = checkpointer.latest_step()
     if latest is not None:  # before anything of the saved run is restored or cut back
@@ -695,6 +704,7 @@ def _train_and_evaluate(
     trained = trainer.params
     final_params = engines[0].shard_params(trained, trainer.version)
     after = evaluate(engines[0], final_params, heldout, config, runner, data.tokenizer)
+    runner.close()
     nnx.update(model, trained)
     models.save_pretrained(
         model, os.path.join(workdir, "hf_policy"), source=config.model.checkpoint or None
@@ -745,8 +755,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
         )
         params = engine.shard_params(restored.train_state["params"], latest)
     checkpointer.close()
-    runner = RewardRunner(get_reward(config.reward.name), timeout_s=config.reward.timeout_s)
+    runner = reward_runner(config)
     scores = evaluate(engine, params, heldout_records(config, data), config, runner, data.tokenizer)
+    runner.close()
     return {"version": float(latest or 0), **scores}
 
 
@@ -755,7 +766,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
 # saved run as another one, from a ledger cut back to the checkpoint.
 _RESUMABLE_CHANGES = (
     "compilation_cache_dir", "num_cpu_devices", "rollout.num_iterations", "runtime.", "eval.",
-    "checkpoint.", "sft.", "engine.slots",
+    "checkpoint.", "sft.", "engine.slots", "reward.isolation",
 )  # fmt: skip
 
 

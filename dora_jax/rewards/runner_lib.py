@@ -1,40 +1,78 @@
 """Scoring samples without letting one bad reward function stop the run.
 
 A reward is user code (or math-verify on adversarial model output): it can raise, return
-garbage, or hang. `RewardRunner` calls it in daemon worker threads, each call under a
-wall-clock timeout. A call that raises, returns something that is not a finite number, or runs
-past the timeout scores 0, is counted, and is logged with the sample id; the run goes on.
+garbage, or hang. `RewardRunner` runs up to `max_workers` calls at once, each under a
+wall-clock timeout. A call that raises, returns something that is not a finite number, runs past
+the timeout or kills its worker scores 0, is counted, and is logged with the sample id; the run
+goes on.
 
-Python cannot kill a thread: a timed-out call is abandoned (its daemon thread keeps running
-until the function returns, and never blocks interpreter exit). Its late result is ignored.
+Workers are processes by default (`isolation="process"`), because only a process can be stopped:
+a call stuck in C code that holds the GIL (sympy on a huge power, `re` on a catastrophic
+pattern) would freeze a thread-based runner and the controller with it. A timed-out worker is
+killed and replaced, so it neither freezes the run nor piles up. The function must pickle (a
+module-level function, as `get_reward` returns). `isolation="thread"` runs calls in daemon
+threads instead, for functions that do not pickle; there a timed-out call is abandoned (Python
+cannot kill a thread) and its late result ignored.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
+import multiprocessing
+import multiprocessing.connection
 import numbers
+import pickle
 import threading
 import time
+import weakref
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 from dora_jax.rewards.registry_lib import RewardFn
 
 _log = logging.getLogger(__name__)
 
+ISOLATIONS = ("process", "thread")
+# A worker process imports the reward's module (math-verify and sympy for `math`) before its
+# first call; that start-up is not the call's, so it has a budget of its own.
+_START_TIMEOUT_S = 300.0
+
 
 @dataclasses.dataclass
 class RewardCounters:
     calls: int = 0
-    errors: int = 0  # raised, or returned a value that is not a finite number
+    errors: int = 0  # raised, returned a value that is not a finite number, or killed its worker
     timeouts: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    raised: bool
+    reward: float  # NaN unless the call returned a finite number
+    shown: str  # the exception or the returned value, for the log
+
+
+def _call(fn: RewardFn, completion: str, answer: str) -> _Outcome:
+    try:
+        value = fn(completion, answer)
+    except Exception as e:  # any failure of user code scores 0, never stops the run
+        return _Outcome(True, math.nan, repr(e))
+    return _Outcome(False, _as_reward(value), repr(value)[:200])
 
 
 class RewardRunner:
     """Scores `(sample_id, completion, answer)` items with `fn`, `max_workers` calls at a time."""
 
-    def __init__(self, fn: RewardFn, timeout_s: float = 10.0, max_workers: int = 4):
+    def __init__(
+        self,
+        fn: RewardFn,
+        timeout_s: float = 10.0,
+        max_workers: int = 4,
+        isolation: str = "process",
+    ):
         # Thread.join refuses waits past TIMEOUT_MAX (OverflowError at the first score, long
         # after start), and NaN compares false everywhere, so every call would time out.
         if not 0 < timeout_s <= threading.TIMEOUT_MAX:
@@ -43,7 +81,21 @@ class RewardRunner:
             )
         if max_workers < 1:
             raise ValueError(f"max_workers={max_workers}: must be >= 1")
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"isolation={isolation!r}: must be one of {ISOLATIONS}")
+        if isolation == "process":
+            try:
+                pickle.dumps(fn)
+            except Exception as e:
+                raise ValueError(
+                    f"isolation='process' sends the reward to worker processes, and it does not "
+                    f"pickle ({e}); define it at module level, or use isolation='thread'"
+                ) from e
         self._fn, self._timeout_s, self._max_workers = fn, timeout_s, max_workers
+        self._isolation = isolation
+        self._workers: list[_Worker] = []  # started on the first score
+        # A runner dropped without `close` (a run that raised) still stops its workers.
+        weakref.finalize(self, _stop_all, self._workers)
         self.counters = RewardCounters()
 
     def metrics(self) -> dict[str, int]:
@@ -52,49 +104,166 @@ class RewardRunner:
         return {"reward/calls": c.calls, "reward/errors": c.errors, "reward/timeouts": c.timeouts}
 
     def score(self, items: Sequence[tuple[Hashable, str, str]]) -> list[float]:
-        rewards: list[float] = []
+        """Rewards of `items`, in order."""
+        outcomes = (
+            self._in_processes(items) if self._isolation == "process" else self._in_threads(items)
+        )
+        return [
+            self._settle(sample_id, o) for (sample_id, _, _), o in zip(items, outcomes, strict=True)
+        ]
+
+    def close(self) -> None:
+        """Stops the worker processes; a later score starts new ones."""
+        _stop_all(self._workers)
+
+    # -- processes --------------------------------------------------------------------------
+
+    def _in_processes(self, items: Sequence[tuple[Hashable, str, str]]) -> list[_Outcome | None]:
+        """Each item goes to the next idle worker; a worker past its item's deadline is killed
+        and replaced, one that dies is replaced. None marks a timeout."""
+        if not self._workers:
+            self._workers.extend(_Worker(self._fn) for _ in range(self._max_workers))
+        outcomes: list[_Outcome | None] = [None] * len(items)
+        waiting = collections.deque(range(len(items)))
+        busy: dict[int, tuple[int, float]] = {}  # worker index -> (its item, the item's deadline)
+        while waiting or busy:
+            for w, worker in enumerate(self._workers):
+                if waiting and worker.ready and w not in busy:
+                    i = waiting.popleft()
+                    worker.send(items[i][1:])
+                    busy[w] = (i, time.monotonic() + self._timeout_s)
+            starts = [worker.deadline for worker in self._workers if not worker.ready]
+            until = min([due for _, due in busy.values()] + starts)
+            connections = [worker.connection for worker in self._workers]
+            multiprocessing.connection.wait(connections, max(0.0, until - time.monotonic()))
+            now = time.monotonic()
+            for w, worker in enumerate(self._workers):
+                message = worker.poll()
+                item, due = busy.pop(w, (None, math.inf))
+                if isinstance(message, _Outcome):
+                    outcomes[item] = message
+                    continue
+                died, late = message is _Worker.DIED, now >= due
+                if not worker.ready and (died or now >= worker.deadline):
+                    raise RuntimeError(f"a reward worker did not start: {worker.failure()}")
+                if not (died or late):
+                    if item is not None:
+                        busy[w] = (item, due)
+                    continue
+                if item is not None:
+                    outcomes[item] = _Outcome(True, math.nan, "its worker died") if died else None
+                worker.stop()
+                self._workers[w] = _Worker(self._fn)
+        return outcomes
+
+    # -- threads ----------------------------------------------------------------------------
+
+    def _in_threads(self, items: Sequence[tuple[Hashable, str, str]]) -> list[_Outcome | None]:
+        outcomes: list[_Outcome | None] = []
         for start in range(0, len(items), self._max_workers):
-            rewards.extend(self._score_chunk(items[start : start + self._max_workers]))
-        return rewards
+            outcomes.extend(self._thread_chunk(items[start : start + self._max_workers]))
+        return outcomes
 
-    def _score_chunk(self, items: Sequence[tuple[Hashable, str, str]]) -> list[float]:
-        results: list[tuple[str, object] | None] = [None] * len(items)
+    def _thread_chunk(self, items: Sequence[tuple[Hashable, str, str]]) -> list[_Outcome | None]:
+        outcomes: list[_Outcome | None] = [None] * len(items)
 
-        def call(i: int, completion: str, answer: str) -> None:
-            try:
-                results[i] = ("ok", self._fn(completion, answer))
-            except Exception as e:  # any failure of user code scores 0, never stops the run
-                results[i] = ("raised", e)
+        def run(i: int, completion: str, answer: str) -> None:
+            outcomes[i] = _call(self._fn, completion, answer)
 
         threads = []
         for i, (_, completion, answer) in enumerate(items):
-            thread = threading.Thread(target=call, args=(i, completion, answer), daemon=True)
+            thread = threading.Thread(target=run, args=(i, completion, answer), daemon=True)
             thread.start()
             threads.append(thread)
         deadline = time.monotonic() + self._timeout_s
-        rewards = []
-        for (sample_id, _, _), thread, i in zip(items, threads, range(len(items)), strict=True):
+        for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-            rewards.append(self._settle(sample_id, None if thread.is_alive() else results[i]))
-        return rewards
+        return [None if t.is_alive() else o for t, o in zip(threads, outcomes, strict=True)]
 
-    def _settle(self, sample_id: Hashable, result: tuple[str, object] | None) -> float:
+    def _settle(self, sample_id: Hashable, outcome: _Outcome | None) -> float:
         self.counters.calls += 1
-        if result is None:
+        if outcome is None:
             self.counters.timeouts += 1
             _log.warning("reward for sample %s timed out after %.3gs", sample_id, self._timeout_s)
             return 0.0
-        status, value = result
-        if status == "raised":
+        if outcome.raised:
             self.counters.errors += 1
-            _log.warning("reward for sample %s raised %r; scoring 0", sample_id, value)
+            _log.warning("reward for sample %s raised %s; scoring 0", sample_id, outcome.shown)
             return 0.0
-        reward = _as_reward(value)
-        if math.isfinite(reward):
-            return reward
+        if math.isfinite(outcome.reward):
+            return outcome.reward
         self.counters.errors += 1
-        _log.warning("reward for sample %s returned %r, not a finite number", sample_id, value)
+        _log.warning(
+            "reward for sample %s returned %s, not a finite number", sample_id, outcome.shown
+        )
         return 0.0
+
+
+class _Worker:
+    """One worker process: it loads the reward, says it is ready, then answers each
+    (completion, answer) it is sent with an `_Outcome`."""
+
+    DIED = object()  # what `poll` returns once the process is gone
+
+    def __init__(self, fn: RewardFn):
+        context = multiprocessing.get_context("spawn")  # a forked JAX runtime is not safe
+        self.connection, theirs = context.Pipe()
+        self.process = context.Process(
+            target=_serve, args=(theirs, pickle.dumps(fn)), daemon=True, name="reward-worker"
+        )
+        self.process.start()
+        theirs.close()
+        self.ready = False
+        self.deadline = time.monotonic() + _START_TIMEOUT_S  # until ready; then the items'
+        self._error = ""
+
+    def send(self, message: Any) -> None:
+        self.connection.send(message)
+
+    def poll(self) -> Any:
+        """The next message if one is there (marking the worker ready on its first), else None."""
+        try:
+            if not self.connection.poll():
+                return None
+            message = self.connection.recv()
+        except (EOFError, OSError):
+            return self.DIED
+        if message == "ready":
+            self.ready, self.deadline = True, math.inf
+            return None
+        if isinstance(message, str):  # the reward could not be loaded
+            self._error = message
+            return self.DIED
+        return message
+
+    def failure(self) -> str:
+        return self._error or f"no ready message in {_START_TIMEOUT_S:g} s"
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.connection.close()
+
+
+def _stop_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.stop()
+    workers.clear()
+
+
+def _serve(connection: Any, fn_bytes: bytes) -> None:
+    try:
+        fn = pickle.loads(fn_bytes)
+    except Exception as e:  # e.g. the module defining it does not import here
+        connection.send(f"loading the reward failed: {e!r}")
+        return
+    connection.send("ready")
+    while True:
+        try:
+            completion, answer = connection.recv()
+        except EOFError:
+            return
+        connection.send(_call(fn, completion, answer))
 
 
 def _as_reward(value: object) -> float:

@@ -42,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         # inf overflowed Thread.join at the first score, after the SFT warm-up; NaN timed out all.
         ("reward", "timeout_s", float("inf"), "reward.timeout_s"),
         ("reward", "timeout_s", float("nan"), "reward.timeout_s"),
+        ("reward", "isolation", "fork", "reward.isolation='fork'"),
         ("model", "dtype", "float8", "model.dtype"),
         ("data", "source", "s3", "data.source"),
         ("engine", "slots", 0, "engine.slots"),
@@ -201,7 +202,7 @@ def test_a_turns_samples_are_scored_concurrently():
 
     prompts = app_lib.PromptStream(iter([{"prompt_tokens": [1], "answer": "x"}]), 4, 8)
     prompts(0)
-    runner = app_lib.RewardRunner(meet, timeout_s=20.0, max_workers=4)
+    runner = app_lib.RewardRunner(meet, timeout_s=20.0, max_workers=4, isolation="thread")
     tokenizer = types.SimpleNamespace(decode=lambda ids: "y")
     overlong = app_lib.validate(default.get_config()).overlong
     reward = app_lib.RewardAdapter(runner, tokenizer, prompts, overlong)

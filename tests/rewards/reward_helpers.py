@@ -1,5 +1,8 @@
 """A user reward module, imported by dotted path in the registry tests."""
 
+import os
+import re
+
 
 def length_reward(completion: str, answer: str, scale: float = 1.0) -> float:
     return scale * len(completion)
@@ -10,4 +13,15 @@ def needs_prompt(prompt: str, completion: str, answer: str) -> float:
 
 
 def one_arg(completion: str) -> float:
+    return 1.0
+
+
+def backtracks(completion: str, answer: str) -> float:
+    """Exponential backtracking on 'aaa...ab', inside `re`, which holds the GIL throughout."""
+    return float(re.match(r"(a+)+$", completion) is not None)
+
+
+def exits_on_exit(completion: str, answer: str) -> float:
+    if completion == "exit":
+        os._exit(3)  # the worker process ends mid-call, as a crash in C code would end it
     return 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fractions
 import logging
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -12,10 +13,11 @@ import time
 
 import numpy as np
 import pytest
+import reward_helpers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dora_jax.rewards import RewardRunner, get_reward
+from dora_jax.rewards import RewardCounters, RewardRunner, get_reward
 
 RELEASE = threading.Event()  # lets the hung calls finish once the test is over
 
@@ -33,11 +35,15 @@ def flaky(completion: str, answer: str) -> float:
     return float(completion == answer)
 
 
-def test_failures_and_timeouts_score_zero_are_counted_and_logged(caplog):
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_failures_and_timeouts_score_zero_are_counted_and_logged(caplog, isolation):
     items = [("ok-1", "a", "a"), ("raise-2", "raise", "a"), ("hang-3", "hang", "a"),
              ("ok-4", "b", "a"), ("nan-5", "nan", "a"), ("text-6", "text", "a"),
              ("hang-7", "hang", "a"), ("ok-8", "c", "c")]  # fmt: skip
-    runner = RewardRunner(flaky, timeout_s=0.3, max_workers=4)
+    RELEASE.clear()
+    runner = RewardRunner(flaky, timeout_s=0.3, max_workers=4, isolation=isolation)
+    runner.score([("warm-up", "a", "a")] * 4)  # worker processes start on the first score
+    runner.counters = RewardCounters()
     start = time.monotonic()
     with caplog.at_level(logging.WARNING):
         rewards = runner.score(items)
@@ -45,18 +51,26 @@ def test_failures_and_timeouts_score_zero_are_counted_and_logged(caplog):
     RELEASE.set()
     assert rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert runner.metrics() == {"reward/calls": 8, "reward/errors": 3, "reward/timeouts": 2}
-    # Two chunks of 4, each waiting at most one timeout: not one timeout per hung sample.
+    # At most two timeouts in a row (threads: two chunks of 4; processes: a killed worker's
+    # replacement starts while the others go on), not one timeout per hung sample.
     assert elapsed < 2 * 0.3 + 0.5
+    runner.close()
     for sample_id in ["raise-2", "hang-3", "nan-5", "text-6", "hang-7"]:
         assert any(sample_id in m for m in caplog.messages), sample_id
     assert not any("ok-" in m for m in caplog.messages)
+
+
+_RUNNERS: dict[int, RewardRunner] = {}
 
 
 @settings(max_examples=15, deadline=None)
 @given(st.lists(st.tuples(st.text(alphabet="ab", max_size=3), st.text(alphabet="ab", max_size=3)),
                 max_size=12), st.integers(1, 5))  # fmt: skip
 def test_scores_keep_input_order_and_equal_direct_calls(pairs, workers):
-    runner = RewardRunner(get_reward("exact_match"), timeout_s=5.0, max_workers=workers)
+    if workers not in _RUNNERS:  # worker processes start once, not once per example
+        _RUNNERS[workers] = RewardRunner(get_reward("exact_match"), 5.0, max_workers=workers)
+    runner = _RUNNERS[workers]
+    runner.counters = RewardCounters()
     items = [(i, c, a) for i, (c, a) in enumerate(pairs)]
     assert runner.score(items) == [float(c.strip() == a.strip()) for c, a in pairs]
     assert runner.counters.calls == len(pairs) and runner.counters.errors == 0
@@ -81,7 +95,8 @@ def test_scores_keep_input_order_and_equal_direct_calls(pairs, workers):
 )
 def test_return_values_convert_or_count_as_errors(value, expected):
     """None = an error scoring 0; NumPy scalars and size-1 arrays are numbers, as `.item()` says."""
-    runner = RewardRunner(lambda completion, answer: value, timeout_s=5.0)
+    # One conversion for both isolations (`runner_lib._call`); a closure pickles only here.
+    runner = RewardRunner(lambda completion, answer: value, timeout_s=5.0, isolation="thread")
     assert runner.score([("id", "x", "y")]) == [0.0 if expected is None else expected]
     assert runner.counters.errors == (expected is None)
 
@@ -96,7 +111,7 @@ def test_a_huge_power_cannot_freeze_the_run():
     child process, so that a regression fails this test instead of hanging the suite."""
     completions = [r"\boxed{10^{10^{8}}}", r"\boxed{9^9^9}", "2**2**40", r"\boxed{7^{99999999}}"]
     script = (
-        "from dora_jax.rewards import RewardRunner, get_reward\n"
+        "from dora_jax.rewards import RewardCounters, RewardRunner, get_reward\n"
         "runner = RewardRunner(get_reward('math'), timeout_s=2.0)\n"
         f"print(runner.score([(i, c, '1') for i, c in enumerate({completions!r})]))"
     )
@@ -112,3 +127,40 @@ def test_invalid_settings_name_the_field():
             RewardRunner(flaky, timeout_s=timeout_s)
     with pytest.raises(ValueError, match="max_workers"):
         RewardRunner(flaky, max_workers=0)
+
+
+def test_a_call_holding_the_gil_is_stopped_and_its_worker_replaced():
+    """Only a process can be stopped: `re` on a catastrophic pattern never releases the GIL,
+    so in a thread it froze the controller (a child interpreter, so that a regression fails
+    this test instead of hanging the suite)."""
+    script = (
+        "from reward_helpers import backtracks\n"
+        "from dora_jax.rewards import RewardRunner\n"
+        "runner = RewardRunner(backtracks, timeout_s=1.0, max_workers=2)\n"
+        "items = [(0, 'a' * 64 + 'b', ''), (1, 'aaa', ''), (2, 'a' * 64 + 'b', ''), (3, 'a', '')]\n"
+        "print(runner.score(items), runner.counters.timeouts)\n"
+        "print(runner.score([(4, 'aa', '')]), runner.counters.timeouts)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True,
+        cwd=os.path.dirname(__file__),
+    )  # fmt: skip
+    assert done.stdout.split("\n")[:2] == ["[0.0, 1.0, 0.0, 1.0] 2", "[1.0] 2"]
+
+
+def test_a_worker_that_dies_scores_zero_and_is_replaced(caplog):
+    runner = RewardRunner(reward_helpers.exits_on_exit, timeout_s=30.0, max_workers=2)
+    items = [(0, "exit", ""), (1, "x", ""), (2, "exit", ""), (3, "y", ""), (4, "z", "")]
+    with caplog.at_level(logging.WARNING):
+        assert runner.score(items) == [0.0, 1.0, 0.0, 1.0, 1.0]
+    assert runner.counters.errors == 2 and runner.counters.timeouts == 0
+    assert any("worker died" in m for m in caplog.messages)
+    assert runner.score([(5, "w", "")]) == [1.0]
+    runner.close()
+
+
+def test_a_reward_that_does_not_pickle_needs_threads():
+    with pytest.raises(ValueError, match="isolation='thread'"):
+        RewardRunner(lambda completion, answer: 1.0)
+    with pytest.raises(ValueError, match="isolation='fork'"):
+        RewardRunner(flaky, isolation="fork")
