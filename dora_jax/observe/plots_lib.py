@@ -7,6 +7,7 @@ same iterations in less time, which an iteration axis alone hides.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,10 @@ def plot_summary(records: Sequence[dict[str, Any]], path: str, title: str = "dor
     """Draws the six panels from metrics records (as `metrics_lib.read_metrics` returns)."""
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
     for ax, (y_key, x_key, label, x_label) in zip(axes.T.flat, PANELS, strict=True):
-        points = [(r[x_key], r[y_key]) for r in records if x_key in r and y_key in r]
+        # `MetricsWriter` stores non-finite values as the strings "nan"/"inf"; handed to
+        # matplotlib as-is they turn the axis categorical, so they are dropped here.
+        pairs = ((float(r[x_key]), float(r[y_key])) for r in records if x_key in r and y_key in r)
+        points = [(x, y) for x, y in pairs if math.isfinite(x) and math.isfinite(y)]
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, marker=".", linewidth=1)

@@ -78,6 +78,23 @@ def test_summary_plot_draws_all_panels(tmp_path):
     assert pathlib.Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_summary_plot_drops_non_finite_points(tmp_path, monkeypatch):
+    # A non-finite metric reaches metrics.jsonl as the string "nan"; plotted as-is it would turn
+    # the reward axis categorical.
+    records = [
+        {"step": 1, "wall_time_s": 1.0, "train/reward_mean": 0.5},
+        {"step": 2, "wall_time_s": 2.0, "train/reward_mean": "nan"},
+        {"step": 3, "wall_time_s": 3.0, "train/reward_mean": 0.7},
+    ]
+    figures = []
+    monkeypatch.setattr(plots_lib.plt, "close", figures.append)  # keep the figure to inspect
+    plots_lib.plot_summary(records, str(tmp_path / "summary.png"))
+    (ax,) = [a for a in figures[0].axes if a.get_title() == "reward vs iteration"]
+    (line,) = ax.get_lines()
+    assert list(line.get_xdata()) == [1.0, 3.0] and list(line.get_ydata()) == [0.5, 0.7]
+    assert ax.yaxis.get_units() is None  # numeric, not a category axis
+
+
 def test_progress_line_shows_the_key_fields(capsys):
     display = progress_lib.ProgressDisplay(total=3, live=False)
     display.update(
