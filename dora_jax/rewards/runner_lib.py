@@ -21,10 +21,13 @@ import collections
 import dataclasses
 import logging
 import math
-import multiprocessing
 import multiprocessing.connection
 import numbers
+import os
 import pickle
+import socket
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -201,18 +204,28 @@ class RewardRunner:
 
 class _Worker:
     """One worker process: it loads the reward, says it is ready, then answers each
-    (completion, answer) it is sent with an `_Outcome`."""
+    (completion, answer) it is sent with an `_Outcome`.
+
+    A fresh interpreter running this module, not a `multiprocessing` child: those re-import the
+    parent's `__main__`, which in a user's script without a `__main__` guard starts the whole
+    run again (and a forked JAX runtime is not safe). It finds modules where this process does.
+    """
 
     DIED = object()  # what `poll` returns once the process is gone
 
     def __init__(self, fn: RewardFn):
-        context = multiprocessing.get_context("spawn")  # a forked JAX runtime is not safe
-        self.connection, theirs = context.Pipe()
-        self.process = context.Process(
-            target=_serve, args=(theirs, pickle.dumps(fn)), daemon=True, name="reward-worker"
+        ours, theirs = socket.socketpair()
+        command = f"from {__name__} import serve_worker; serve_worker({theirs.fileno()})"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", command],
+            pass_fds=[theirs.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
         )
-        self.process.start()
         theirs.close()
+        self.connection = multiprocessing.connection.Connection(ours.detach())
+        self.connection.send_bytes(pickle.dumps(fn))
         self.ready = False
         self.deadline = time.monotonic() + _START_TIMEOUT_S  # until ready; then the items'
         self._error = ""
@@ -237,11 +250,16 @@ class _Worker:
         return message
 
     def failure(self) -> str:
-        return self._error or f"no ready message in {_START_TIMEOUT_S:g} s"
+        if self._error:
+            return self._error
+        code = self.process.poll()
+        if code is None:
+            return f"no ready message in {_START_TIMEOUT_S:g} s"
+        return f"the worker process exited with code {code}"
 
     def stop(self) -> None:
         self.process.kill()
-        self.process.join()
+        self.process.wait()
         self.connection.close()
 
 
@@ -251,9 +269,11 @@ def _stop_all(workers: list[_Worker]) -> None:
     workers.clear()
 
 
-def _serve(connection: Any, fn_bytes: bytes) -> None:
+def serve_worker(fd: int) -> None:
+    """A worker process's main loop, on the socket `fd` its runner handed it."""
+    connection = multiprocessing.connection.Connection(fd)
     try:
-        fn = pickle.loads(fn_bytes)
+        fn = pickle.loads(connection.recv_bytes())
     except Exception as e:  # e.g. the module defining it does not import here
         connection.send(f"loading the reward failed: {e!r}")
         return

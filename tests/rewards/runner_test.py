@@ -164,3 +164,17 @@ def test_a_reward_that_does_not_pickle_needs_threads():
         RewardRunner(lambda completion, answer: 1.0)
     with pytest.raises(ValueError, match="isolation='fork'"):
         RewardRunner(flaky, isolation="fork")
+
+
+def test_a_script_without_a_main_guard_scores_once(tmp_path):
+    """multiprocessing's spawned children re-import the parent's `__main__`: in a user's
+    script without a guard that started the whole run again inside every worker."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from dora_jax.rewards import RewardRunner, get_reward\n"
+        "runner = RewardRunner(get_reward('exact_match'), timeout_s=30.0, max_workers=2)\n"
+        "print(runner.score([(0, 'a', 'a'), (1, 'b', 'a')]))\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+    assert done.stdout.splitlines() == ["[1.0, 0.0]"]
