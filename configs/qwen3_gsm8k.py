@@ -6,7 +6,7 @@ Parquet / ArrayRecord files whose rows have a `question` and a final numeric `an
 GSM8K, the text after "####"). Sized for one TPU v5e-8 host or an 8-GPU machine: 4 chips train
 (FSDP 2 x TP 2), 4 chips each host one rollout instance.
 
-    dora-jax train --config=configs/qwen3_gsm8k.py --workdir=gs://bucket/runs/qwen3_gsm8k \
+    dora-jax train --config=configs/qwen3_gsm8k.py --workdir=/mnt/bucket/runs/qwen3_gsm8k \
       --config.model.checkpoint=/data/Qwen3-0.6B \
       --config.data.train_files=/data/gsm8k/train.jsonl \
       --config.data.heldout_files=/data/gsm8k/test.jsonl

@@ -439,13 +439,15 @@ def warm_up(
 
     rng = np.random.default_rng(config.seed)
     display = progress_lib.ProgressDisplay(steps, "sft", live=progress)
-    for n in range(1, steps + 1):
-        picks = rng.choice(len(examples), config.sft.batch_size, replace=False)
-        tokens, mask = sft_lib.pack_examples([examples[i] for i in picks], length, tok.pad_id)
-        loss = step(tokens, mask)
-        if n % 50 == 0 or n == steps:
-            display.update(n, {"train/loss": loss})
-    display.close()
+    try:
+        for n in range(1, steps + 1):
+            picks = rng.choice(len(examples), config.sft.batch_size, replace=False)
+            tokens, mask = sft_lib.pack_examples([examples[i] for i in picks], length, tok.pad_id)
+            loss = step(tokens, mask)
+            if n % 50 == 0 or n == steps:
+                display.update(n, {"train/loss": loss})
+    finally:
+        display.close()
     return finish()
 
 
@@ -576,6 +578,12 @@ def train_and_evaluate(
 ) -> dict[str, Any]:
     """Runs the whole application, resuming from the newest checkpoint in `workdir` if any;
     returns (and writes) `summary.json`."""
+    if "://" in workdir:
+        # Checkpoints would go there through orbax, the ledger, metrics and trace to a local
+        # directory named after it, and a resume on another machine would find no ledger.
+        raise ValueError(
+            f"workdir {workdir!r}: a local directory is needed (mount a bucket with gcsfuse)"
+        )
     start = time.perf_counter()
     group = start_training_hosts(config)
     try:
@@ -641,7 +649,9 @@ def _train_and_evaluate(
         first_id=resume["next_prompt"] if resume else 0,
     )
     reward = RewardAdapter(runner, data.tokenizer, prompts, settings.overlong)
-    writer = metrics_lib.MetricsWriter(workdir, resume and meta["metrics_offset"])
+    writer = metrics_lib.MetricsWriter(
+        workdir, resume and meta["metrics_offset"], first_step=resume["newest"] + 1 if resume else 1
+    )
     display = progress_lib.ProgressDisplay(settings.rollout.num_iterations, "rl", live=progress)
     rl_start = time.perf_counter() - meta.get("rl_seconds", 0.0)
 
@@ -693,13 +703,13 @@ def _train_and_evaluate(
     )
     try:
         rollout.run()
-    finally:
+    finally:  # also when the run raises or is interrupted:
         for host in hosts:
             host.close()
+        display.close()  # gives the terminal its cursor back
+        writer.close()
+        checkpointer.close()  # waits for a save in flight, which would otherwise be lost
     rl_seconds = time.perf_counter() - rl_start
-    display.close()
-    writer.close()
-    checkpointer.close()
 
     trained = trainer.params
     final_params = engines[0].shard_params(trained, trainer.version)

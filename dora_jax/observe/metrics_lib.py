@@ -20,13 +20,21 @@ from tensorboardX import SummaryWriter
 class MetricsWriter:
     """Writes one scalar per metric per step under `workdir` (`events.*` and `metrics.jsonl`).
 
-    `resume_offset` is the `offset()` a checkpoint recorded; None starts a new run.
+    `resume_offset` is the `offset()` a checkpoint recorded (None starts a new run) and
+    `first_step` the first step this writer writes: TensorBoard drops the steps from it on that
+    earlier writers left in the workdir (a resumed run redoes them), as `metrics.jsonl` does.
     """
 
-    def __init__(self, workdir: str, resume_offset: int | None = None):
+    def __init__(self, workdir: str, resume_offset: int | None = None, first_step: int = 1):
         os.makedirs(workdir, exist_ok=True)
-        self._tb = SummaryWriter(logdir=workdir, flush_secs=5)
         path = os.path.join(workdir, "metrics.jsonl")
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        if (resume_offset or 0) > size:  # truncate() would pad the file with NUL bytes
+            raise ValueError(
+                f"{path} has {size} bytes, fewer than the {resume_offset} its checkpoint "
+                "recorded: this workdir's metrics are not the checkpointed run's"
+            )
+        self._tb = SummaryWriter(logdir=workdir, flush_secs=5, purge_step=first_step)
         self._jsonl = open(path, "a")  # noqa: SIM115 - held for the run's lifetime
         # A new run starts the file afresh; a resumed one drops the records written after its
         # checkpoint, since it redoes those iterations.

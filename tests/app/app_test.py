@@ -236,6 +236,45 @@ def test_cli_reports_a_bad_field_and_exits_non_zero():
     assert not os.path.exists("/tmp/never_written/ledger.jsonl")
 
 
+# `dora-jax train`, interrupted (Ctrl-C, a preemption) while its checkpoint 2 is being written.
+_INTERRUPTED_AT_ITERATION_3 = """
+import sys
+from dora_jax import cli
+from dora_jax.train import checkpoint_lib
+
+save = checkpoint_lib.Checkpointer.save
+
+def save_then_interrupt(self, step, **items):
+    save(self, step, **items)  # orbax goes on writing in the background
+    if step == 2:
+        raise KeyboardInterrupt("interrupted at iteration 3")
+
+checkpoint_lib.Checkpointer.save = save_then_interrupt
+sys.argv = ["dora-jax", "train", "--config=configs/default.py", "--workdir=" + sys.argv[1],
+            "--config.sft.steps=2", "--config.rollout.num_iterations=4",
+            "--config.rollout.train_batch_size=8", "--config.rollout.rollout_batch_size=16",
+            "--config.engine.slots=4", "--config.eval.num_prompts=4",
+            "--config.eval.samples_per_prompt=1", "--config.checkpoint.every=2"]
+cli.run()
+"""
+
+
+@pytest.mark.slow
+def test_a_run_interrupted_keeps_the_checkpoint_it_was_writing(tmp_path):
+    """Checkpoints save in the background: a run interrupted while one was being written lost
+    it (left as a tmp directory), and its restart began again from scratch."""
+    died = subprocess.run([sys.executable, "-c", _INTERRUPTED_AT_ITERATION_3, str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert died.returncode != 0 and "interrupted at iteration 3" in died.stderr
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if "tmp" in p.name]
+    assert Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 2
+
+
+def test_a_workdir_that_is_not_a_local_directory_is_refused():
+    with pytest.raises(ValueError, match="gs://bucket/run.*local directory"):
+        app_lib.train_and_evaluate(default.get_config(), "gs://bucket/run")
+
+
 @pytest.mark.slow
 def test_partial_runs_through_the_app_re_prefilling_past_the_prompt_limit(tmp_path):
     """partial re-prefills prompt + generated-so-far at each weight update: with prefill sized
