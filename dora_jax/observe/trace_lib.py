@@ -2,7 +2,9 @@
 
 One track (thread) per rollout instance and one for the trainer, so a reader sees at a glance
 which policy version each instance hosted, when it decoded, prefilled, migrated or sat idle,
-and when the trainer waited. Times are microseconds since the writer was created.
+and when the trainer waited. Times are microseconds since the Unix epoch, so that a run resumed
+from a checkpoint continues the trace of the run before it on one timeline: the earlier run's
+events stay, as a process of their own, and the gap between them is the restart.
 """
 
 from __future__ import annotations
@@ -16,14 +18,21 @@ from typing import Any
 class TraceWriter:
     """Collects complete ("X") events on named tracks and writes them as one JSON file."""
 
-    def __init__(self, process_name: str = "dora_jax"):
+    def __init__(self, process_name: str = "dora_jax", previous: str | None = None):
+        """`previous`: a trace file whose events this one keeps (the run it resumes)."""
         self._origin = time.perf_counter()
+        self._epoch_us = time.time() * 1e6
         self._tracks: dict[str, int] = {}
         self._events: list[dict[str, Any]] = []
         self._process_name = process_name
+        self._earlier: list[dict[str, Any]] = []
+        if previous is not None and os.path.exists(previous):
+            with open(previous) as f:
+                self._earlier = json.load(f)["traceEvents"]
+        self._pid = max((e.get("pid", 0) for e in self._earlier), default=0) + 1
 
     def now_us(self) -> float:
-        return (time.perf_counter() - self._origin) * 1e6
+        return self._epoch_us + (time.perf_counter() - self._origin) * 1e6
 
     def _tid(self, track: str) -> int:
         if track not in self._tracks:
@@ -35,7 +44,7 @@ class TraceWriter:
         self._events.append(
             {
                 "ph": "X",
-                "pid": 1,
+                "pid": self._pid,
                 "tid": self._tid(track),
                 "name": name,
                 "ts": start_us,
@@ -49,7 +58,7 @@ class TraceWriter:
             {
                 "ph": "i",
                 "s": "t",
-                "pid": 1,
+                "pid": self._pid,
                 "tid": self._tid(track),
                 "name": name,
                 "ts": self.now_us(),
@@ -62,12 +71,15 @@ class TraceWriter:
         return list(self._events)
 
     def to_json(self) -> dict[str, Any]:
-        meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": self._process_name}}]
+        pid = self._pid
+        meta = [
+            {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": self._process_name}}
+        ]
         meta += [
-            {"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": track}}
+            {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": track}}
             for track, tid in self._tracks.items()
         ]
-        return {"traceEvents": meta + self._events, "displayTimeUnit": "ms"}
+        return {"traceEvents": self._earlier + meta + self._events, "displayTimeUnit": "ms"}
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -97,7 +97,12 @@ class Rollout:
                 train_batch_size=config.train_batch_size,
                 group_size=config.group_size,
             )
-        self.trace = TraceWriter(f"dora_jax rollout ({config.mode})")
+        name = f"dora_jax rollout ({config.mode})"
+        if resume is None:
+            self.trace = TraceWriter(name)
+        else:  # the trace goes on from the run's before the restart
+            previous = os.path.join(workdir, "trace.json")
+            self.trace = TraceWriter(f"{name}, resumed at v{resume['newest']}", previous)
         self.telemetry = Telemetry(
             len(self.instances), [x.num_slots for x in self.instances], self.trace
         )

@@ -104,3 +104,21 @@ def test_progress_line_shows_the_key_fields(capsys):
     line = capsys.readouterr().out
     assert "iter 1/3" in line and "reward 0.500" in line and "stale 2" in line
     assert "tok/s 1234" in line
+
+
+def test_a_resumed_trace_keeps_the_earlier_run_on_one_timeline(tmp_path):
+    path = str(tmp_path / "trace.json")
+    first = trace_lib.TraceWriter("run")
+    first.span("instance 0", "decode v1", first.now_us(), first.now_us() + 5.0)
+    first.save(path)
+    resumed = trace_lib.TraceWriter("run, resumed at v2", previous=path)
+    resumed.span("instance 0", "decode v2", resumed.now_us(), resumed.now_us() + 5.0)
+    resumed.save(path)
+    events = json.loads(pathlib.Path(path).read_text())["traceEvents"]
+    process = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    spans = {e["name"]: e for e in events if e["ph"] == "X"}
+    assert process[spans["decode v1"]["pid"]] == "run"
+    assert process[spans["decode v2"]["pid"]] == "run, resumed at v2"
+    assert spans["decode v2"]["ts"] > spans["decode v1"]["ts"] + 5.0  # after it, on one clock
+    tracks = {(e["pid"], e["tid"]) for e in events if e.get("name") == "thread_name"}
+    assert {(e["pid"], e["tid"]) for e in spans.values()} <= tracks  # each named in its process

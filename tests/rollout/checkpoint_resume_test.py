@@ -57,11 +57,17 @@ def test_resumed_run_writes_the_uninterrupted_ledger(
     resumed = tmp_path_factory.mktemp("resumed")
     # What a crash leaves behind: the events written after the checkpoint, and a torn line.
     shutil.copy(full / "ledger.jsonl", resumed / "ledger.jsonl")
+    shutil.copy(full / "trace.json", resumed / "trace.json")
     with open(resumed / "ledger.jsonl", "a") as f:
         f.write('{"event": "dispatch", "prompt_id": 99')
     rollout, trainer, _ = make_rollout(str(resumed), checkpoint_every=every, resume=state, **config)
     rollout.run()
     assert (resumed / "ledger.jsonl").read_bytes() == (full / "ledger.jsonl").read_bytes()
+    # The trace keeps the run before the restart, as a process of its own.
+    events = json.loads((resumed / "trace.json").read_text())["traceEvents"]
+    processes = [e["args"]["name"] for e in events if e.get("name") == "process_name"]
+    resumed_at = f"dora_jax rollout ({mode}), resumed at v{state['newest']}"
+    assert processes == [f"dora_jax rollout ({mode})", resumed_at]
     assert trainer.version == 6
     report = audit_lib.audit(str(resumed))
     assert report.rules["C2"] and report.rules["C3"]
