@@ -376,6 +376,14 @@ class RewardAdapter:
             rewards.append(reward + penalty)
         return rewards
 
+    def restore_metrics(self, saved: dict[str, float]) -> None:
+        """Continues the counters `metrics()` returned when a checkpoint was saved."""
+        c = self.runner.counters
+        c.calls = int(saved.get("reward/calls", 0))
+        c.errors = int(saved.get("reward/errors", 0))
+        c.timeouts = int(saved.get("reward/timeouts", 0))
+        self.penalized = int(saved.get("reward/overlong_penalized", 0))
+
     def metrics(self) -> dict[str, float]:
         """Cumulative counters, the reward runner's and the overlong penalty's."""
         return {
@@ -649,6 +657,8 @@ def _train_and_evaluate(
         first_id=resume["next_prompt"] if resume else 0,
     )
     reward = RewardAdapter(runner, data.tokenizer, prompts, settings.overlong)
+    if resume:  # the counters are cumulative over the run, not over this process
+        reward.restore_metrics(meta.get("reward_counters", {}))
     writer = metrics_lib.MetricsWriter(
         workdir, resume and meta["metrics_offset"], first_step=resume["newest"] + 1 if resume else 1
     )
@@ -676,6 +686,7 @@ def _train_and_evaluate(
             "trainer": {k: int(v) for k, v in state.items() if k not in _TRAIN_ARRAYS},
             "metrics_offset": writer.offset(),
             "rl_seconds": time.perf_counter() - rl_start,
+            "reward_counters": reward.metrics(),
         }
         checkpointer.save(
             rollout_state["newest"],

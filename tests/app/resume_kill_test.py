@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+from dora_jax.observe import metrics_lib
 from dora_jax.rollout import audit_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -53,6 +54,11 @@ def _checkpoints(workdir: pathlib.Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
+def _reward_counters(workdir) -> list[tuple[int, float, float]]:
+    records = metrics_lib.read_metrics(str(workdir))
+    return [(r["step"], r["reward/calls"], r["reward/errors"]) for r in records]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # three full runs and two partial ones
 def test_sigkill_at_random_points_then_resume_loses_nothing(tmp_path):
@@ -81,3 +87,5 @@ def test_sigkill_at_random_points_then_resume_loses_nothing(tmp_path):
         report = audit_lib.audit(str(workdir))
         assert report.passed, report.format()
         assert (workdir / "ledger.jsonl").read_bytes() == expected
+        # Cumulative counters continue from the checkpoint: per step, as in one straight run.
+        assert _reward_counters(workdir) == _reward_counters(reference)
