@@ -38,7 +38,7 @@ CONFIG = RolloutConfig(
 )
 
 
-def _run(engines, workdir, on_iteration=None) -> runner_lib.Rollout:
+def _rollout(engines, workdir) -> runner_lib.Rollout:
     trainer = Trainer(
         models.create(MODEL, seed=0),
         TrainConfig(tbs=8, group_size=4, learning_rate=1e-3, length_buckets=(64,)),
@@ -47,14 +47,12 @@ def _run(engines, workdir, on_iteration=None) -> runner_lib.Rollout:
     prompts = request_lib.heavy_tail_prompts(
         seed=0, group_size=4, vocab_size=VOCAB, median_length=6, max_length=32
     )
-    rollout = runner_lib.Rollout(
-        CONFIG,
-        engines,
-        trainer,
-        prompts,
-        request_lib.per_sample(lambda pid, toks: float((toks == 3).mean())),
-        workdir,
-    )
+    reward = request_lib.per_sample(lambda pid, toks: float((toks == 3).mean()))
+    return runner_lib.Rollout(CONFIG, engines, trainer, prompts, reward, workdir)
+
+
+def _run(engines, workdir, on_iteration=None) -> runner_lib.Rollout:
+    rollout = _rollout(engines, workdir)
     rollout.on_iteration = on_iteration
     rollout.run()
     return rollout
@@ -191,22 +189,7 @@ def test_a_dead_host_is_blamed_not_the_instance_copying_a_version_from_it(tmp_pa
     that copied from the dead one, until the run had none left."""
     remote = hosts_lib.start_local_hosts([hosts_lib.EngineSpec(MODEL, 0, ENGINE)] * 2)
     try:
-        trainer = Trainer(
-            models.create(MODEL, seed=0),
-            TrainConfig(tbs=8, group_size=4, learning_rate=1e-3, length_buckets=(64,)),
-            sharding_lib.make_mesh(jax.devices()[:1], 1, 1),
-        )
-        prompts = request_lib.heavy_tail_prompts(
-            seed=0, group_size=4, vocab_size=VOCAB, median_length=6, max_length=32
-        )
-        rollout = runner_lib.Rollout(
-            CONFIG,
-            remote,
-            trainer,
-            prompts,
-            request_lib.per_sample(lambda pid, toks: 0.0),
-            str(tmp_path),
-        )
+        rollout = _rollout(remote, str(tmp_path))
         dead, alive = rollout.instances
         rollout.load(dead, 0, None)
         remote[0].process.kill()
