@@ -101,7 +101,10 @@ class _Prepare:
     def __call__(self, index: int, row: Row) -> dict:
         try:
             prompt, answer = _fields(row.payload, self.prompt_field, self.answer_field)
-            tokens = self.tokenizer.encode(self.template.render(prompt))
+            tokens = self.tokenizer.encode(
+                self.template.render(prompt),
+                add_special_tokens=not self.template.writes_special_tokens,
+            )
             if not tokens:  # the engine cannot prefill a prompt without a token
                 raise _Bad(
                     "empty_prompt",

@@ -24,11 +24,17 @@ _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class PromptTemplate(Protocol):
+    # Whether the rendered text writes the model's special tokens itself (a chat template
+    # writes its BOS); if not, the tokenizer adds them, as transformers' `tokenizer(text)` does.
+    writes_special_tokens: bool
+
     def render(self, prompt: str) -> str: ...
 
 
 class FormatTemplate:
     """`fmt.format(prompt=...)`, e.g. `"Q: {prompt}\\nA:"`; `"{prompt}"` passes it through."""
+
+    writes_special_tokens = False
 
     def __init__(self, fmt: str):
         try:
@@ -74,6 +80,8 @@ class _GenerationBlock(jinja2.ext.Extension):
 
 class ChatTemplate:
     """A jinja chat template applied to one user turn (and an optional system turn)."""
+
+    writes_special_tokens = True
 
     def __init__(self, source: str, special_tokens: dict[str, str], system: str | None = None):
         env = ImmutableSandboxedEnvironment(

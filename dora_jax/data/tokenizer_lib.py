@@ -22,10 +22,11 @@ PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the ids of its end-of-sequence and padding tokens.
 
-    `encode` never adds special tokens: prompts are rendered by a template that already writes
-    any BOS / role markers, so adding them again here would duplicate them (transformers'
-    `apply_chat_template(tokenize=True)` makes the same choice). `decode` drops special tokens,
-    which is what a reward function wants to see.
+    `encode` adds no special tokens unless asked: a chat template already writes any BOS / role
+    markers, so adding them again would duplicate them (transformers'
+    `apply_chat_template(tokenize=True)` makes the same choice), while a plain format template's
+    prompt gets the tokenizer's own (a Llama BOS) as `tokenizer(text)` would give it. `decode`
+    drops special tokens, which is what a reward function wants to see.
 
     `eos_ids` are all the ids generation stops at: `eos_id` (the one appended to demonstrations)
     and any more a checkpoint's generation_config.json lists; a chat model's turn often ends with
@@ -59,8 +60,10 @@ class Tokenizer:
             raise ValueError(f"{field}={token!r} is not in the tokenizer's vocabulary")
         return token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens`: also what the tokenizer's post-processor adds (a Llama BOS),
+        as transformers' `tokenizer(text)` does; for text that does not write them itself."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import tokenizers
 import transformers
 from data_fixtures import (
     LLAMA_LIKE_TEMPLATE,
     QWEN_LIKE_TEMPLATE,
     write_hf_tokenizer_dir,
 )
+from tokenizers import processors
 
-from dora_jax.data import template_lib
+from dora_jax.data import load_tokenizer, memory_rows, prompt_dataset, template_lib
 
 # transformers' `{% generation %}` block (assistant-token masks), around every turn's content so
 # that its body is rendered in a prompt too: it did not parse here.
@@ -83,3 +85,33 @@ def test_chat_template_errors_name_the_problem(tmp_path):
     )
     with pytest.raises(Exception, match="no user"):
         template_lib.make_template("chat", directory).render("hi")
+
+
+@pytest.mark.parametrize("spec", ["Q: {prompt}\nA:", "chat"])
+def test_prompt_tokens_carry_one_bos_as_transformers_gives_them(tmp_path, spec):
+    """A Llama-style tokenizer adds BOS itself: a format template's prompt gets it, as
+    `tokenizer(text)` gives it; a chat template writes its own, and gets no second one."""
+    config = {"eos_token": "<|eot_id|>", "bos_token": "<|begin_of_text|>",
+              "chat_template": LLAMA_LIKE_TEMPLATE}  # fmt: skip
+    directory = write_hf_tokenizer_dir(tmp_path, config)
+    tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+    )
+    tok.save(str(directory / "tokenizer.json"))
+    ref = transformers.AutoTokenizer.from_pretrained(str(directory))
+    template = template_lib.make_template(spec, directory)
+    rows = memory_rows([{"prompt": p, "answer": "x"} for p in PROMPTS])
+    records = prompt_dataset(rows, load_tokenizer(directory), template, max_prompt_len=256,
+                             seed=0, num_epochs=1)  # fmt: skip
+    for record in records:
+        prompt = PROMPTS[record["row"]]
+        if spec == "chat":
+            messages = [{"role": "user", "content": prompt}]
+            expected = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            expected = getattr(expected, "input_ids", expected)
+        else:
+            expected = ref(template.render(prompt))["input_ids"]
+        assert record["prompt_tokens"].tolist() == list(expected)
+        assert list(expected).count(bos) == 1
