@@ -86,9 +86,10 @@ class RewardRunner:
             raise ValueError(f"max_workers={max_workers}: must be >= 1")
         if isolation not in ISOLATIONS:
             raise ValueError(f"isolation={isolation!r}: must be one of {ISOLATIONS}")
+        self._pickled = b""  # what each worker process loads
         if isolation == "process":
             try:
-                pickle.dumps(fn)
+                self._pickled = pickle.dumps(fn)
             except Exception as e:
                 raise ValueError(
                     f"isolation='process' sends the reward to worker processes, and it does not "
@@ -125,7 +126,7 @@ class RewardRunner:
         """Each item goes to the next idle worker; a worker past its item's deadline is killed
         and replaced, one that dies is replaced. None marks a timeout."""
         if not self._workers:
-            self._workers.extend(_Worker(self._fn) for _ in range(self._max_workers))
+            self._workers.extend(_Worker(self._pickled) for _ in range(self._max_workers))
         outcomes: list[_Outcome | None] = [None] * len(items)
         waiting = collections.deque(range(len(items)))
         busy: dict[int, tuple[int, float]] = {}  # worker index -> (its item, the item's deadline)
@@ -156,7 +157,7 @@ class RewardRunner:
                 if item is not None:
                     outcomes[item] = _Outcome(True, math.nan, "its worker died") if died else None
                 worker.stop()
-                self._workers[w] = _Worker(self._fn)
+                self._workers[w] = _Worker(self._pickled)
         return outcomes
 
     # -- threads ----------------------------------------------------------------------------
@@ -213,7 +214,7 @@ class _Worker:
 
     DIED = object()  # what `poll` returns once the process is gone
 
-    def __init__(self, fn: RewardFn):
+    def __init__(self, pickled_fn: bytes):
         ours, theirs = socket.socketpair()
         command = f"from {__name__} import serve_worker; serve_worker({theirs.fileno()})"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -225,7 +226,7 @@ class _Worker:
         )
         theirs.close()
         self.connection = multiprocessing.connection.Connection(ours.detach())
-        self.connection.send_bytes(pickle.dumps(fn))
+        self.connection.send_bytes(pickled_fn)
         self.ready = False
         self.deadline = time.monotonic() + _START_TIMEOUT_S  # until ready; then the items'
         self._error = ""
