@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
 )
+_QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q/k norms, one bias switch for q/k/v/o
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,7 @@ class ModelConfig:
             )
         qwen2 = self.architecture == "Qwen2ForCausalLM"
         if self.qk_norm is None:
-            object.__setattr__(self, "qk_norm", self.architecture.startswith("Qwen3"))
+            object.__setattr__(self, "qk_norm", self.architecture in _QWEN3)
         if self.attention_bias is None:
             object.__setattr__(self, "attention_bias", qwen2)
         if self.attention_out_bias is None:
@@ -77,7 +78,7 @@ class ModelConfig:
         """Refuses switches the architecture's `config.json` cannot state: such a model would
         export as a different one (transformers fills a missing q/k norm with fresh weights)."""
         arch = self.architecture
-        qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        qwen3 = arch in _QWEN3
         moe = arch == "Qwen3MoeForCausalLM"
         rules = [
             (self.qk_norm == qwen3, f"qk_norm={qwen3}"),
@@ -143,8 +144,6 @@ class ModelConfig:
             rope_scaling.pop("type", None)
             if rope_scaling["rope_type"] == "default":
                 rope_scaling = None
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        llama_bias = bool(hf.get("attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -159,10 +158,11 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=True if is_qwen2 else llama_bias,
-            attention_out_bias=False if is_qwen2 else llama_bias,
+            # Qwen2's config.json has no bias switch (q/k/v always, o never); the others' one
+            # switch covers q/k/v/o. The rest of what an architecture implies (its q/k norms,
+            # the o bias) is `__post_init__`'s to fill in.
+            attention_bias=None if arch == "Qwen2ForCausalLM" else bool(hf.get("attention_bias")),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             **(_moe_fields(hf) if arch == "Qwen3MoeForCausalLM" else {}),
         )
 
@@ -194,7 +194,7 @@ class ModelConfig:
         if self.architecture == "LlamaForCausalLM":
             hf["attention_bias"] = self.attention_bias
             hf["mlp_bias"] = self.mlp_bias
-        if self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        if self.architecture in _QWEN3:
             hf["attention_bias"] = self.attention_bias
         if self.architecture == "Qwen3MoeForCausalLM":
             hf.update(
