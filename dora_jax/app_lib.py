@@ -174,11 +174,11 @@ def _check_field_names(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"unknown config field(s) {unknown}: misspelled, or not a dora_jax field")
 
 
-def _named(prefix: str, check: Any) -> None:
-    """Runs `check`, prefixing `prefix` to the ValueError of a library that only knows its
-    own argument names (`top_p must be in (0, 1]` -> `engine.top_p must be in (0, 1]`)."""
+def _named(prefix: str, check: Any) -> Any:
+    """Runs `check` and returns its result, prefixing `prefix` to the ValueError of a library
+    that only knows its own argument names (`top_p must be in (0, 1]` -> `engine.top_p ...`)."""
     try:
-        check()
+        return check()
     except ValueError as e:
         raise ValueError(f"{prefix}{e}") from e
 
@@ -340,10 +340,7 @@ def reward_runner(config: ml_collections.ConfigDict) -> RewardRunner:
     """The task's reward under the runner's timeout, in worker processes (`reward.isolation`)."""
     r = config.reward
     fn = get_reward(r.name)  # its errors name reward.name
-    try:
-        return RewardRunner(fn, timeout_s=r.timeout_s, isolation=r.isolation)
-    except ValueError as e:  # the runner knows its own argument names only
-        raise ValueError(f"reward.{e}") from e
+    return _named("reward.", lambda: RewardRunner(fn, timeout_s=r.timeout_s, isolation=r.isolation))
 
 
 class RewardAdapter:
@@ -378,10 +375,7 @@ class RewardAdapter:
 
     def restore_metrics(self, saved: dict[str, float]) -> None:
         """Continues the counters `metrics()` returned when a checkpoint was saved."""
-        c = self.runner.counters
-        c.calls = int(saved.get("reward/calls", 0))
-        c.errors = int(saved.get("reward/errors", 0))
-        c.timeouts = int(saved.get("reward/timeouts", 0))
+        self.runner.restore_metrics(saved)
         self.penalized = int(saved.get("reward/overlong_penalized", 0))
 
     def metrics(self) -> dict[str, float]:

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from dora_jax.rewards.registry_lib import RewardFn
@@ -49,6 +49,9 @@ class RewardCounters:
     calls: int = 0
     errors: int = 0  # raised, returned a value that is not a finite number, or killed its worker
     timeouts: int = 0
+
+
+_COUNTER_FIELDS = dataclasses.fields(RewardCounters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +107,12 @@ class RewardRunner:
 
     def metrics(self) -> dict[str, int]:
         """Cumulative counters under TensorBoard-style names."""
-        c = self.counters
-        return {"reward/calls": c.calls, "reward/errors": c.errors, "reward/timeouts": c.timeouts}
+        return {f"reward/{f.name}": getattr(self.counters, f.name) for f in _COUNTER_FIELDS}
+
+    def restore_metrics(self, saved: Mapping[str, float]) -> None:
+        """Continues the counters from what `metrics()` returned (a checkpoint's copy)."""
+        for f in _COUNTER_FIELDS:
+            setattr(self.counters, f.name, int(saved.get(f"reward/{f.name}", 0)))
 
     def score(self, items: Sequence[tuple[Hashable, str, str]]) -> list[float]:
         """Rewards of `items`, in order."""
