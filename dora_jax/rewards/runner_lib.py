@@ -18,6 +18,8 @@ cannot kill a thread) and its late result ignored.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import ctypes
 import dataclasses
 import logging
 import math
@@ -25,6 +27,7 @@ import multiprocessing.connection
 import numbers
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +45,7 @@ ISOLATIONS = ("process", "thread")
 # A worker process imports the reward's module (math-verify and sympy for `math`) before its
 # first call; that start-up is not the call's, so it has a budget of its own.
 _START_TIMEOUT_S = 300.0
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclasses.dataclass
@@ -101,6 +105,9 @@ class RewardRunner:
         self._fn, self._timeout_s, self._max_workers = fn, timeout_s, max_workers
         self._isolation = isolation
         self._workers: list[_Worker] = []  # started on the first score
+        # Workers die with the thread that started them (`_die_with`), so one thread that lives
+        # as long as the runner starts them all, whichever thread scores.
+        self._starter = concurrent.futures.ThreadPoolExecutor(1, "reward-worker-starter")
         # A runner dropped without `close` (a run that raised) still stops its workers.
         weakref.finalize(self, _stop_all, self._workers)
         self.counters = RewardCounters()
@@ -133,7 +140,7 @@ class RewardRunner:
         """Each item goes to the next idle worker; a worker past its item's deadline is killed
         and replaced, one that dies is replaced. None marks a timeout."""
         if not self._workers:
-            self._workers.extend(_Worker(self._pickled) for _ in range(self._max_workers))
+            self._workers.extend(self._start_worker() for _ in range(self._max_workers))
         outcomes: list[_Outcome | None] = [None] * len(items)
         waiting = collections.deque(range(len(items)))
         busy: dict[int, tuple[int, float]] = {}  # worker index -> (its item, the item's deadline)
@@ -164,8 +171,11 @@ class RewardRunner:
                 if item is not None:
                     outcomes[item] = _Outcome(True, math.nan, "its worker died") if died else None
                 worker.stop()
-                self._workers[w] = _Worker(self._pickled)
+                self._workers[w] = self._start_worker()
         return outcomes
+
+    def _start_worker(self) -> _Worker:
+        return self._starter.submit(_Worker, self._pickled).result()
 
     # -- threads ----------------------------------------------------------------------------
 
@@ -223,7 +233,9 @@ class _Worker:
 
     def __init__(self, pickled_fn: bytes):
         ours, theirs = socket.socketpair()
-        command = f"from {__name__} import serve_worker; serve_worker({theirs.fileno()})"
+        command = (
+            f"from {__name__} import serve_worker; serve_worker({theirs.fileno()}, {os.getpid()})"
+        )
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.process = subprocess.Popen(
             [sys.executable, "-c", command],
@@ -277,8 +289,9 @@ def _stop_all(workers: list[_Worker]) -> None:
     workers.clear()
 
 
-def serve_worker(fd: int) -> None:
+def serve_worker(fd: int, runner_pid: int) -> None:
     """A worker process's main loop, on the socket `fd` its runner handed it."""
+    _die_with(runner_pid)
     connection = multiprocessing.connection.Connection(fd)
     try:
         fn = pickle.loads(connection.recv_bytes())
@@ -292,6 +305,18 @@ def serve_worker(fd: int) -> None:
         except EOFError:
             return
         connection.send(_call(fn, completion, answer))
+
+
+def _die_with(runner_pid: int) -> None:
+    """Has the kernel kill this worker when the runner's thread that started it ends, however
+    it ends: a call stuck in C code would never see its connection close, and it outlived a
+    SIGKILLed controller (burning a core until the call returned). Linux only (prctl);
+    elsewhere a worker outlives a killed runner until its call ends."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != runner_pid:  # the runner was gone before the prctl took effect
+        os._exit(1)
 
 
 def _as_reward(value: object) -> float:

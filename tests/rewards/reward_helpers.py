@@ -25,3 +25,8 @@ def exits_on_exit(completion: str, answer: str) -> float:
     if completion == "exit":
         os._exit(3)  # the worker process ends mid-call, as a crash in C code would end it
     return 1.0
+
+
+def spins(completion: str, answer: str) -> float:
+    while True:  # a call that never returns, as one stuck in C code never does
+        pass

@@ -6,6 +6,7 @@ import fractions
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -178,3 +179,62 @@ def test_a_script_without_a_main_guard_scores_once(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120, check=True)  # fmt: skip
     assert done.stdout.splitlines() == ["[1.0, 0.0]"]
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_workers_die_with_a_killed_controller():
+    """A call that never returns never sees its connection close: its worker outlived a
+    SIGKILLed controller, burning a core, until the kernel was asked to kill it."""
+    script = (
+        "import sys, threading, time\n"
+        "from reward_helpers import spins\n"
+        "from dora_jax.rewards import RewardRunner\n"
+        "runner = RewardRunner(spins, timeout_s=600.0, max_workers=2)\n"
+        "items = [(0, 'a', ''), (1, 'b', '')]\n"
+        "threading.Thread(target=runner.score, args=(items,), daemon=True).start()\n"
+        "while len(runner._workers) < 2 or not all(w.ready for w in runner._workers):\n"
+        "    time.sleep(0.05)\n"
+        "print(*(w.process.pid for w in runner._workers), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    controller = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+        cwd=os.path.dirname(__file__),
+    )  # fmt: skip
+    try:
+        pids = [int(p) for p in controller.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        controller.kill()
+        controller.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survivors = [p for p in pids if _alive(p)]
+    for pid in survivors:  # a regression must not leave them spinning after the suite
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors
+
+
+def test_workers_outlive_the_thread_that_first_scored():
+    """Workers die with the thread that started them, so a runner first used from a thread
+    that has since ended must not lose them (they score, they are not replaced)."""
+    runner = RewardRunner(reward_helpers.length_reward, timeout_s=30.0, max_workers=2)
+    first = threading.Thread(target=runner.score, args=([(0, "ab", "")],))
+    first.start()
+    first.join()
+    pids = [w.process.pid for w in runner._workers]
+    time.sleep(0.5)  # a worker killed when `first` ended would be dead by now
+    assert runner.score([(1, "abc", ""), (2, "a", "")]) == [3.0, 1.0]
+    assert [w.process.pid for w in runner._workers] == pids and all(map(_alive, pids))
+    assert runner.counters.errors == 0
+    runner.close()
