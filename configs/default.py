@@ -46,6 +46,10 @@ def get_config() -> ml_collections.ConfigDict:
     # reaches hosts through host-side queues: the multi-process shape of DESIGN.md, with the
     # same ledger as in-process engines, at the cost of the transfers.
     c.runtime.generation_hosts = ""
+    # Seconds the controller waits for a generation host's answer (or to hand it a command)
+    # before taking its instance out as hung. Generous: a host's first steps compile, minutes
+    # for a large model on an accelerator.
+    c.runtime.host_timeout_s = 1800.0
     # Where the training mesh runs: "" in this process; "local:N" across this process and N child
     # processes (CPU), one JAX process group (jax.distributed, gloo); "HOST:PORT,..." with one
     # running `dora-jax host` per address. The mesh is then every device of the group

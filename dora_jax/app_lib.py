@@ -82,6 +82,7 @@ _SECTION_FIELDS: dict[str, frozenset[str]] = {
             "devices_per_instance",
             "instance_tp",
             "generation_hosts",
+            "host_timeout_s",
             "training_hosts",
             "coordinator",
         }
@@ -155,6 +156,7 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
     runtime = config.runtime.to_dict()
     hosts = _generation_hosts(runtime.pop("generation_hosts", ""), runtime["num_instances"])
     runtime.pop("coordinator", "")
+    _named("runtime.host_", lambda: hosts_lib.check_timeout(runtime.pop("host_timeout_s")))
     group = runtime.pop("training_hosts", "")
     if group:
         _check_training_group(group, hosts, runtime["train_devices"])
@@ -570,9 +572,10 @@ def start_generation_hosts(
         tp=config.runtime.instance_tp,
         model_kwargs={"param_dtype": dtype, "dtype": dtype},
     )
+    timeout_s = config.runtime.host_timeout_s
     if hosts[0] == "local":
-        return hosts_lib.start_local_hosts([spec] * len(hosts))
-    return hosts_lib.connect_hosts(hosts, [spec] * len(hosts))
+        return hosts_lib.start_local_hosts([spec] * len(hosts), timeout_s)
+    return hosts_lib.connect_hosts(hosts, [spec] * len(hosts), timeout_s)
 
 
 def train_and_evaluate(

@@ -49,12 +49,23 @@ class EngineSpec:
 # host's first admission and decode step compile (minutes for a large model on an accelerator);
 # past it the host counts as hung and its instance fails, rather than the whole run waiting
 # forever on one machine.
+# `runtime.host_timeout_s` sets it for a run.
 ANSWER_TIMEOUT_S = 1800.0
 # Commands up to this size go out from the controller's thread: they fit the connection's
 # buffer, so writing them cannot wait on the host. Larger ones (a version's weights, a
 # migrated slot) block until the host reads them, so they are written by a thread that the
 # controller waits for with the timeout.
 _INLINE_SEND_BYTES = 64 * 1024
+
+
+def check_timeout(timeout_s: float) -> float:
+    """`timeout_s` if it can bound a wait: NaN would compare false (every wait times out) and
+    Thread.join refuses waits past TIMEOUT_MAX, long after start."""
+    if not 0 < timeout_s <= threading.TIMEOUT_MAX:
+        raise ValueError(
+            f"timeout_s={timeout_s}: must be in (0, {threading.TIMEOUT_MAX:g}] seconds"
+        )
+    return timeout_s
 
 
 class HostError(RuntimeError):
@@ -257,7 +268,7 @@ class RemoteEngine:
         self.connection = connection
         self.process = process
         self.name = name
-        self.timeout_s = timeout_s
+        self.timeout_s = check_timeout(timeout_s)
         self._keys = itertools.count()
         self._sent = 0  # commands sent that the host answers; answer i is command i's
         self._read = 0  # answers read
@@ -420,9 +431,12 @@ class RemoteEngine:
             self.process.join(timeout=60)
 
 
-def start_local_hosts(specs: Sequence[EngineSpec]) -> list[RemoteEngine]:
+def start_local_hosts(
+    specs: Sequence[EngineSpec], timeout_s: float = ANSWER_TIMEOUT_S
+) -> list[RemoteEngine]:
     """Starts one generation host per spec as a child process of this machine (a fresh
-    interpreter each: a forked JAX runtime is not safe) and connects to each."""
+    interpreter each: a forked JAX runtime is not safe) and connects to each; a host silent
+    for `timeout_s` counts as hung."""
     context = multiprocessing.get_context("spawn")
     engines = []
     for i, spec in enumerate(specs):
@@ -430,7 +444,7 @@ def start_local_hosts(specs: Sequence[EngineSpec]) -> list[RemoteEngine]:
         process = context.Process(target=serve, args=(theirs, spec), daemon=True, name=f"host{i}")
         process.start()
         theirs.close()
-        engines.append(RemoteEngine(ours, process, name=f"host{i}"))
+        engines.append(RemoteEngine(ours, process, name=f"host{i}", timeout_s=timeout_s))
     return engines
 
 
@@ -455,8 +469,11 @@ def host_key() -> bytes:
     return key.encode()
 
 
-def connect_hosts(addresses: Sequence[str], specs: Sequence[EngineSpec]) -> list[RemoteEngine]:
-    """Connects to running hosts (`dora-jax host`), one per spec, and gives each its engine."""
+def connect_hosts(
+    addresses: Sequence[str], specs: Sequence[EngineSpec], timeout_s: float = ANSWER_TIMEOUT_S
+) -> list[RemoteEngine]:
+    """Connects to running hosts (`dora-jax host`), one per spec, and gives each its engine; a
+    host silent for `timeout_s` counts as hung."""
     from multiprocessing.connection import Client
 
     key = host_key()
@@ -464,7 +481,7 @@ def connect_hosts(addresses: Sequence[str], specs: Sequence[EngineSpec]) -> list
     for address, spec in zip(addresses, specs, strict=True):
         connection = Client(parse_address(address), authkey=key)
         connection.send(spec)
-        engines.append(RemoteEngine(connection, name=address))
+        engines.append(RemoteEngine(connection, name=address, timeout_s=timeout_s))
     return engines
 
 

@@ -23,6 +23,8 @@ from dora_jax.runtime import hosts_lib
 from dora_jax.train.checkpoint_lib import Checkpointer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_TINY_MODEL = models.ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
+                                 num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -50,6 +52,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("runtime", "generation_hosts", "a:7100,b:7100", "runtime.generation_hosts"),
         # Only `dora-jax train` joins a training group, before validating.
         ("runtime", "training_hosts", "local:1", "runtime.training_hosts"),
+        ("runtime", "host_timeout_s", 0.0, "runtime.host_timeout_s"),
+        ("runtime", "host_timeout_s", float("nan"), "runtime.host_timeout_s"),
+        ("runtime", "host_timeout_s", float("inf"), "runtime.host_timeout_s"),
         ("data", "on_bad_row", "ignore", "data.on_bad_row"),
         ("data", "max_prompt_len", 0, "data.max_prompt_len"),
         ("data", "template", "{question}", "data.template"),
@@ -143,9 +148,7 @@ def test_hosts_on_other_machines_take_no_devices_here(monkeypatch):
     settings = app_lib.validate(config)
     assert settings.generation_hosts == ("g0:7100", "g1:7100", "g2:7100", "g3:7100")
     assert settings.plan.generation_meshes == () and settings.plan.train_mesh.devices.size == 8
-    model = models.create(models.ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
-                                             num_layers=1, num_heads=2, num_kv_heads=1,
-                                             head_dim=8))  # fmt: skip
+    model = models.create(_TINY_MODEL)
     (evaluation,) = app_lib.make_engines(config, model, settings.plan, eos_ids=(1,))
     assert evaluation.mesh is settings.plan.train_mesh
 
@@ -330,14 +333,18 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
     config.train.kl_coef = 0.05  # the reference policy goes into every checkpoint
     config.rollout.decode_steps_per_turn = 3  # several steps per call on the hosts' engines
     config.runtime.generation_hosts = "local"
+    config.runtime.host_timeout_s = 600.0
     started = []
     start = hosts_lib.start_local_hosts
-    monkeypatch.setattr(
-        hosts_lib, "start_local_hosts", lambda specs: started.extend(specs) or start(specs)
-    )
+
+    def start_hosts(specs, timeout_s):
+        started.append((len(specs), timeout_s))
+        return start(specs, timeout_s)
+
+    monkeypatch.setattr(hosts_lib, "start_local_hosts", start_hosts)
     workdir = tmp_path / "run"
     summary = app_lib.train_and_evaluate(config, str(workdir), progress=False)
-    assert len(started) == config.runtime.num_instances
+    assert started == [(config.runtime.num_instances, 600.0)]
 
     assert summary["iterations"] == 4
     skipped = summary["skipped_rows"]  # each bad row counted every epoch the run reaches it
@@ -366,3 +373,34 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
     for key in ("heldout_accuracy_before", "heldout_accuracy_after", "iterations", "wall_time_s",
                 "trained_tokens_per_s"):  # fmt: skip
         assert key in on_disk
+
+
+def test_network_hosts_wait_as_long_as_host_timeout_s(monkeypatch):
+    """A host that took its spec and went silent fails after `runtime.host_timeout_s`, not
+    the hard-wired half hour."""
+    from multiprocessing.connection import Listener
+
+    monkeypatch.setenv(hosts_lib.KEY_VARIABLE, "secret")
+    listener = Listener(("127.0.0.1", 0), authkey=b"secret")
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+    config = default.get_config()
+    config.runtime.host_timeout_s = 0.3
+    address = "{}:{}".format(*listener.address)
+    model = models.create(_TINY_MODEL)
+    raised = []
+
+    def start_hosts():
+        try:
+            app_lib.start_generation_hosts(config, [address], model, eos_ids=[1])
+        except BaseException as e:  # noqa: BLE001 - the test reads it below
+            raised.append(e)
+
+    starting = threading.Thread(target=start_hosts, daemon=True)
+    starting.start()
+    starting.join(30)  # a regression waits half an hour: fail here, not at the suite's timeout
+    assert not starting.is_alive(), "still waiting for the silent host"
+    assert isinstance(raised[0], hosts_lib.HostError)
+    assert f"{address}: no answer in 0.3 s" in str(raised[0])
+    accepted[0].close()
+    listener.close()
