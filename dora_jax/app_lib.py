@@ -391,13 +391,24 @@ class RewardAdapter:
 # -- policy -------------------------------------------------------------------------------------
 
 
-def load_policy(config: ml_collections.ConfigDict, vocab_size: int) -> models.Transformer:
+def load_policy(
+    config: ml_collections.ConfigDict, vocab_size: int, mesh: jax.sharding.Mesh
+) -> models.Transformer:
+    """The starting policy, sharded on this process's part of the training `mesh`.
+
+    A checkpoint loads straight onto it, shard by shard, so a model larger than one device
+    loads. With training hosts this process alone loads and hands the group its params as host
+    arrays, so it takes only its own part of a mesh that spans the group. A random init is tiny
+    (the default models): made on one device, then sharded.
+    """
     dtype = _DTYPES[config.model.dtype]
+    mesh = _this_process_part(mesh)
     if config.model.checkpoint:
-        return models.from_pretrained(config.model.checkpoint, dtype=dtype)
+        return models.from_pretrained(config.model.checkpoint, dtype=dtype, mesh=mesh)
     shape = {k: v for k, v in config.model.items() if k in _MODEL_SHAPE_FIELDS}
     model_config = models.ModelConfig(vocab_size=vocab_size, **shape)
-    return models.create(model_config, seed=config.seed, param_dtype=dtype, dtype=dtype)
+    model = models.create(model_config, seed=config.seed, param_dtype=dtype, dtype=dtype)
+    return sharding_lib.shard_model(model, mesh)
 
 
 def warm_up(
@@ -613,7 +624,7 @@ def _train_and_evaluate(
     latest = checkpointer.latest_step()
     if latest is not None:  # before anything of the saved run is restored or cut back
         check_same_run(checkpointer.read_meta(latest).get("config"), config, workdir)
-    model = load_policy(config, data.tokenizer.vocab_size)
+    model = load_policy(config, data.tokenizer.vocab_size, settings.plan.train_mesh)
     if latest is None:
         model = warm_up(config, model, data, settings.plan.train_mesh, progress, group)
     engines = make_engines(config, model, settings.plan, data.tokenizer.eos_ids)
@@ -759,7 +770,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
             "directory without checkpoints evaluates the starting policy)"
         )
     data = load_task(config)
-    model = load_policy(config, data.tokenizer.vocab_size)
+    model = load_policy(config, data.tokenizer.vocab_size, settings.plan.train_mesh)
     engine = make_engines(config, model, settings.plan, data.tokenizer.eos_ids)[0]
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
     latest = checkpointer.latest_step()

@@ -4,6 +4,10 @@ The mapping between our parameter paths and Hugging Face tensor names is one tab
 (`_tensor_map`), used in both directions, so import and export cannot drift apart. Every
 expected tensor must be found with its exact shape: a partial load raises an error naming the
 file and the tensor instead of silently keeping random weights.
+
+Import never puts a whole tensor on one accelerator: each tensor is read, converted and laid out
+(transposed, experts stacked) in host memory, then placed straight onto its sharding, so every
+device receives only its own shard and a model larger than one chip loads onto a mesh of them.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -23,7 +27,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from dora_jax.models import model_lib
+from dora_jax.models import model_lib, sharding_lib
 from dora_jax.models.config_lib import ModelConfig
 
 _SINGLE = "model.safetensors"
@@ -92,7 +96,12 @@ def _tensor_map(config: ModelConfig) -> dict[tuple[Any, ...], tuple[str, str]]:
 class _CheckpointReader:
     """Finds each tensor in a directory's weights: `model.safetensors`, or else the shards its
     `model.safetensors.index.json` lists (the order transformers looks in, so that both read
-    the same weights from a directory that has both)."""
+    the same weights from a directory that has both).
+
+    Tensors come back as numpy arrays in host memory: the "flax" framework would put each one
+    whole on the default device. numpy knows bfloat16 (and the fp8 types) by name only once
+    `ml_dtypes` has registered them, which importing jax (it depends on ml_dtypes) has done.
+    """
 
     def __init__(self, path: str):
         index_path = os.path.join(path, _INDEX)
@@ -100,7 +109,7 @@ class _CheckpointReader:
         self._handles: dict[str, Any] = {}
         self.weight_map: dict[str, str]
         if os.path.exists(single):
-            self._handles[_SINGLE] = safe_open(single, framework="flax")
+            self._handles[_SINGLE] = safe_open(single, framework="numpy")
             self.weight_map = dict.fromkeys(self._handles[_SINGLE].keys(), _SINGLE)
         elif os.path.exists(index_path):
             with open(index_path) as f:
@@ -109,7 +118,7 @@ class _CheckpointReader:
                 file_path = os.path.join(path, name)
                 if not os.path.exists(file_path):
                     raise FileNotFoundError(f"{file_path} is listed in {index_path} but is missing")
-                self._handles[name] = safe_open(file_path, framework="flax")
+                self._handles[name] = safe_open(file_path, framework="numpy")
         else:
             raise FileNotFoundError(f"neither {_SINGLE} nor {_INDEX} in {path}")
         self.used: set[str] = set()
@@ -117,7 +126,7 @@ class _CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self.weight_map
 
-    def get(self, name: str, expected_shape: tuple[int, ...]) -> jax.Array:
+    def get(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.weight_map:
             raise KeyError(
                 f"tensor {name!r} is missing from the checkpoint (files: {sorted(self._handles)})"
@@ -133,21 +142,31 @@ class _CheckpointReader:
         return tensor
 
 
-def _load_experts(reader: _CheckpointReader, template: str, shape: tuple[int, ...]) -> jax.Array:
+def _load_experts(reader: _CheckpointReader, template: str, shape: tuple[int, ...]) -> np.ndarray:
     num_experts, din, dout = shape
     per_expert = template.format(e=0)
     if reader.has(per_expert):
-        return jnp.stack(
+        return np.stack(
             [reader.get(template.format(e=e), (dout, din)).T for e in range(num_experts)]
         )
     # transformers >= 5 keeps experts fused in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I].
     prefix, proj = template.split(".{e}.")
     proj = proj.removesuffix(".weight")
     if proj == "down_proj":
-        return jnp.swapaxes(reader.get(f"{prefix}.down_proj", (num_experts, dout, din)), 1, 2)
+        return np.swapaxes(reader.get(f"{prefix}.down_proj", (num_experts, dout, din)), 1, 2)
     fused = reader.get(f"{prefix}.gate_up_proj", (num_experts, 2 * dout, din))
     half = fused[:, :dout] if proj == "gate_proj" else fused[:, dout:]
-    return jnp.swapaxes(half, 1, 2)
+    return np.swapaxes(half, 1, 2)
+
+
+def _place(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
+    """`host` on `sharding`'s devices, each given only its own slice of it. The callback is asked
+    for the index of each device this process addresses and needs no other process, so the same
+    call places onto a mesh that spans processes (each of them loading). Without a sharding, on
+    the default device (uncommitted, as `jnp.asarray` leaves it)."""
+    if sharding is None:
+        return jax.device_put(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def read_config(path: str) -> ModelConfig:
@@ -159,15 +178,28 @@ def read_config(path: str) -> ModelConfig:
 
 
 def from_pretrained(
-    path: str, dtype: Any = jnp.float32, param_dtype: Any | None = None
+    path: str,
+    dtype: Any = jnp.float32,
+    param_dtype: Any | None = None,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: Mapping[str, str | None] = sharding_lib.DEFAULT_RULES,
 ) -> model_lib.Transformer:
-    """Loads a Hugging Face model directory into a `Transformer` (compute dtype `dtype`)."""
+    """Loads a Hugging Face model directory into a `Transformer` (compute dtype `dtype`).
+
+    With a `mesh`, every param lands sharded as `sharding_lib.param_shardings` lays it out by
+    `rules`, each device receiving only its shard: the trainer's layout, so a model too large
+    for one device loads, and nothing has to move again. Without one, on the default device.
+    """
     config = read_config(path)
     param_dtype = param_dtype or dtype
     model = model_lib.abstract(config, param_dtype=param_dtype, dtype=dtype)
     reader = _CheckpointReader(path)
     state = nnx.state(model, nnx.Param)
     flat = dict(nnx.to_flat_state(state))
+    shardings = {}
+    if mesh is not None:
+        shardings = dict(nnx.to_flat_state(sharding_lib.param_shardings(state, mesh, rules)))
     for key, (hf_name, kind) in _tensor_map(config).items():
         variable = flat[key]
         shape = tuple(variable.shape)
@@ -177,7 +209,9 @@ def from_pretrained(
             value = reader.get(hf_name, shape[::-1]).T
         else:
             value = _load_experts(reader, hf_name, shape)
-        flat[key] = variable.replace(jnp.asarray(value, param_dtype))
+        host = np.asarray(value, np.dtype(param_dtype))  # ml_dtypes rounds as XLA does
+        sharding = shardings[key].get_value() if key in shardings else None
+        flat[key] = variable.replace(_place(host, sharding))
     unused = [
         k for k in reader.weight_map if k not in reader.used and not k.endswith(_IGNORED_SUFFIXES)
     ]
