@@ -591,4 +591,4 @@ def _staging(x: RolloutInstance) -> Any:
 
 
 def _kv_capacity(x: RolloutInstance) -> int:
-    return x.num_slots * (x.engine.max_prefill_length + x.engine.max_decode_length)
+    return x.num_slots * x.engine.cache_length

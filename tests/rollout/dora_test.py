@@ -190,3 +190,33 @@ def test_a_turns_finished_samples_are_scored_in_one_call_each_with_its_own_rewar
     # Rewards stay attached to their own samples: recomputed from the ledger's lengths.
     trained = [e for e in ledger_lib.read(str(tmp_path)) if e["event"] == "train"]
     assert trained and all(e["reward"] == e["response_length"] % 2 for e in trained)
+
+
+def test_kv_pressure_triggers_against_the_cache_each_slot_holds(tmp_path):
+    """The trigger compares an instance's KV positions with what its cache holds: slots x
+    `cache_length`. It used prefill room plus decode room, which the bench's and `partial`'s
+    engines (prefill room for a whole response) can never fill, so it never fired there."""
+    rollout, _, engines = make_rollout(
+        str(tmp_path), mode="dora", num_instances=2, slots=4, group_size=2, train_batch_size=4,
+        rollout_batch_size=8, staleness_bound=4, num_iterations=6, median_length=12, seed=3,
+        max_length=32, kv_pressure=0.5, timer_steps=10_000,
+    )  # fmt: skip
+    for engine in engines:  # 8-token prompts, at most 32 tokens of response
+        engine.cache_length = 40  # far below max_prefill_length + max_decode_length (1024)
+    fired, expected = [], []
+    rebalance = rollout.paradigm.rebalance
+
+    def watched(r, triggers):
+        fired.append("kv_pressure" in triggers)
+        expected.append(
+            any(
+                sum(len(s.prompt.tokens) + len(s.tokens) for s in x.slots if s is not None)
+                > 0.5 * len(x.slots) * x.engine.cache_length
+                for x in r.healthy()
+            )
+        )
+        rebalance(r, triggers)
+
+    rollout.paradigm.rebalance = watched
+    rollout.run()
+    assert any(expected) and fired == expected

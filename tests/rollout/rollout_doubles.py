@@ -98,6 +98,7 @@ class EngineDouble:
         max_concurrent_decodes: int,
         max_prefill_length: int = 512,
         max_decode_length: int = 512,
+        cache_length: int | None = None,
         fail_after_steps: int | None = None,
         fail_after_prefills: int | None = None,
         fail_on_readback: bool = False,
@@ -106,6 +107,7 @@ class EngineDouble:
         self.max_concurrent_decodes = max_concurrent_decodes
         self.max_prefill_length = max_prefill_length
         self.max_decode_length = max_decode_length
+        self.cache_length = cache_length or max_prefill_length + max_decode_length  # as Engine's
         self.samples_per_slot = 1
         self.fail_after_steps = fail_after_steps
         self.fail_after_prefills = fail_after_prefills

@@ -76,6 +76,7 @@ def bench_schedule(config: ml_collections.ConfigDict, entry: str, workdir: str) 
             max_concurrent_decodes=config.engine.slots,
             max_prefill_length=w.prompt_length + w.max_length,
             max_decode_length=w.max_length,
+            cache_length=w.prompt_length + w.max_length,
         )
         for i in range(config.runtime.num_instances)
     ]
