@@ -111,17 +111,25 @@ class TrajectoryQueue:
         if len(complete) < b:
             return None
         chosen = complete[:b]
-        # Groups left behind that are due by d, for each deadline d in increasing order.
         left_behind = collections.Counter(self._due)
         left_behind.subtract(self.deadline(g) for g in chosen)
-        left = 0
-        for d in sorted(left_behind):
-            left += left_behind[d]
-            if left > (d - iteration) * b:
-                return None
+        if not self.fits(left_behind, iteration + 1):
+            return None
         for g in chosen:
             self._remove(g)
         return [g.done[i] for g in chosen for i in range(self.group_size)]
+
+    def fits(self, due: Mapping[int, int], first_iteration: int) -> bool:
+        """Whether groups due by each deadline (`due`: groups per deadline) can all be trained
+        from `first_iteration` on, `groups_per_batch` an iteration: C3's feasibility, which
+        admission (`VersionWindow.admits`) and batch selection both keep. One pass over at most
+        K+2 deadlines: admission asks for every group a turn dispatches."""
+        total = 0
+        for d in sorted(due):
+            total += due[d]
+            if total > (d - first_iteration + 1) * self.groups_per_batch:
+                return False
+        return True
 
     def _add(self, group: Group) -> None:
         self._groups[group.prompt_id] = group

@@ -9,6 +9,8 @@ by its deadline: for every deadline d, the groups due by d fit in the iterations
 
 from __future__ import annotations
 
+import collections
+
 from dora_jax.rollout.queue_lib import TrajectoryQueue
 
 
@@ -25,21 +27,11 @@ class VersionWindow:
         """Live versions, oldest first."""
         return sorted(self.queue.untrained_versions() | {self.newest})
 
-    def oldest(self) -> int:
-        return self.live()[0]
-
     def admits(self, version: int, next_iteration: int, new_groups: int = 1) -> bool:
         """Can `new_groups` more groups at `version` start and still be trained within K?"""
         deadline = version + self.k
         if version > self.newest or deadline < next_iteration:
             return False
-        due = self.queue.due_by_deadline()
-        b = self.queue.groups_per_batch
-        # Groups due by d, for each deadline d in increasing order (one pass over at most K+2
-        # deadlines: this runs for every group a turn dispatches).
-        total = 0
-        for d in sorted({*due, deadline}):
-            total += due.get(d, 0) + (new_groups if d == deadline else 0)
-            if total > (d - next_iteration + 1) * b:
-                return False
-        return True
+        due = collections.Counter(self.queue.due_by_deadline())
+        due[deadline] += new_groups
+        return self.queue.fits(due, next_iteration)
