@@ -40,7 +40,7 @@ from dora_jax.engine.slots_lib import (
     ResultTokens,
     SlotState,
     StepResults,
-    unwrap_params,
+    policy_version,
 )
 from dora_jax.models import Functional, KVCache, Transformer, sharding_lib
 from dora_jax.runtime import transfer_lib
@@ -364,7 +364,7 @@ class Engine:
         All rows are padded to the bucket of the longest prompt and the row count to a power of
         two; rows past len(requests) are padding (valid == 0) that `insert` drops.
         """
-        _, version = unwrap_params(params)
+        version = policy_version(params)
         prefix, data, log_probs = self._prefill_jit(
             params.leaves, self._host_rows(requests, version, slots=())
         )
@@ -386,7 +386,7 @@ class Engine:
         with `valid` = 0, which the caller must check (reading the busy flags first would cost
         the round trip this saves).
         """
-        _, version = unwrap_params(params)
+        version = policy_version(params)
         slots = self._check_slots(slots)
         if len(slots) != len(requests):
             raise ValueError(f"{len(requests)} requests for {len(slots)} slots")
@@ -449,7 +449,7 @@ class Engine:
         self, params: PolicyParams, decode_state: DecodeState
     ) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot; consumes (donates) `decode_state`."""
-        _, version = unwrap_params(params)
+        version = policy_version(params)
         decode_state, data, log_probs = self._generate_jit(params.leaves, decode_state)
         return decode_state, ResultTokens(data, log_probs, version=version)
 
@@ -464,7 +464,7 @@ class Engine:
         if _integer(steps) is None or steps < 1:
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
         steps = int(steps)  # the static argument: np.int64(2) and 2 are one program
-        _, version = unwrap_params(params)
+        version = policy_version(params)
         decode_state, data, log_probs = self._generate_steps_jit(params.leaves, decode_state, steps)
         return decode_state, StepResults(data, log_probs, version=version)
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from dora_jax.engine.engine_lib import Engine
 from dora_jax.engine.request_lib import Completion, FinishReason, Request, stop_reached
-from dora_jax.engine.slots_lib import PolicyParams, unwrap_params
+from dora_jax.engine.slots_lib import PolicyParams, policy_version
 
 
 def generate_all(
@@ -25,7 +25,7 @@ def generate_all(
     Free slots are refilled (prompts of one length bucket prefilled together) while the other
     slots keep decoding. Every request is checked before any work starts.
     """
-    _, version = unwrap_params(params)
+    version = policy_version(params)
     for r in requests:
         engine.check_request(r)
         if r.stop_strings and detokenize is None:

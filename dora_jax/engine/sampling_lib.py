@@ -54,10 +54,6 @@ class SamplingParams:
     def greedy(cls) -> SamplingParams:
         return cls(temperature=0.0)
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
-
 
 def token_keys(seeds: jax.Array, indices: jax.Array) -> jax.Array:
     """One PRNG key per row: fold_in(key(seed), index), index = tokens generated before it."""

@@ -44,14 +44,15 @@ class PolicyParams:
         return f"PolicyParams(version={self.version})"
 
 
-def unwrap_params(params: Any) -> tuple[Any, int]:
+def policy_version(params: Any) -> int:
+    """The version that `params` (the engine's PolicyParams) samples as."""
     if not isinstance(params, PolicyParams):
         raise TypeError(
             "engine params must be PolicyParams(state, version) so every token is tagged with "
             f"the policy version that sampled it; got {type(params).__name__}. Use "
             "engine.load_params(version=...) or engine.shard_params(state, version=...)."
         )
-    return params.state, int(params.version)
+    return int(params.version)
 
 
 # --------------------------------------------------------------------------------------------

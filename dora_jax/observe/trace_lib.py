@@ -53,23 +53,6 @@ class TraceWriter:
             }
         )
 
-    def instant(self, track: str, name: str, **args: Any) -> None:
-        self._events.append(
-            {
-                "ph": "i",
-                "s": "t",
-                "pid": self._pid,
-                "tid": self._tid(track),
-                "name": name,
-                "ts": self.now_us(),
-                "args": args,
-            }
-        )
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        return list(self._events)
-
     def to_json(self) -> dict[str, Any]:
         pid = self._pid
         meta = [

@@ -103,9 +103,7 @@ class Rollout:
         else:  # the trace goes on from the run's before the restart
             previous = os.path.join(workdir, "trace.json")
             self.trace = TraceWriter(f"{name}, resumed at v{resume['newest']}", previous)
-        self.telemetry = Telemetry(
-            len(self.instances), [x.num_slots for x in self.instances], self.trace
-        )
+        self.telemetry = Telemetry([x.num_slots for x in self.instances], self.trace)
         # Trainer copies of published versions that no instance holds yet (version 0: the
         # initial params, copied before the trainer's first step donates them).
         self.staged: dict[int, Any] = {
@@ -500,7 +498,7 @@ class Rollout:
         if self.on_iteration is not None:
             self.on_iteration(m)
         self._last_publish_us = now
-        self.telemetry.reset(now)
+        self.telemetry.reset()
 
     def _retire(self) -> None:
         """Frees the params of versions that left the window (all their samples trained)."""

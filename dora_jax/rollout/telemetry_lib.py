@@ -34,15 +34,14 @@ LAG_LABELS = tuple(lag_label(lag) for lag in range(LAG_BUCKETS + 1))
 
 
 class Telemetry:
-    def __init__(self, num_instances: int, num_slots: list[int], trace: TraceWriter):
+    def __init__(self, num_slots: list[int], trace: TraceWriter):
         self.trace = trace
         self.num_slots = num_slots
         self._open: dict[str, tuple[str, float, dict[str, Any]]] = {}  # track -> open span
-        self.reset(trace.now_us())
+        self.reset()
 
-    def reset(self, now_us: float) -> None:
+    def reset(self) -> None:
         n = len(self.num_slots)
-        self.window_start_us = now_us
         self.busy_slot_time = [0.0] * n
         self.busy_time = [0.0] * n
         self.total_time = 0.0

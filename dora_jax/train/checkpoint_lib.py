@@ -127,10 +127,6 @@ class Checkpointer:
             path = self._manager.directory / self._names.build_name(step)
             raise ValueError(f"cannot restore checkpoint {path}: {type(e).__name__}: {e}") from e
 
-    def wait(self) -> None:
-        """Blocks until pending async saves are on disk."""
-        self._manager.wait_until_finished()
-
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()

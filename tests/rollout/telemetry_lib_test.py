@@ -21,7 +21,7 @@ turn = st.tuples(st.floats(0.001, 1.0), three(busy_steps), three(st.integers(0, 
 @settings(max_examples=50, deadline=None)
 @given(st.lists(turn, min_size=1, max_size=30), st.floats(0.0, 5.0), three(st.integers(1, 8)))
 def test_occupancy_is_per_decoding_time_and_bubbles_count_every_wait(turns, wait, slots):
-    telemetry = Telemetry(3, slots, TraceWriter("t"))
+    telemetry = Telemetry(slots, TraceWriter("t"))
     for seconds, busy, lags in turns:
         capped = [[min(b, n) for b in steps] for steps, n in zip(busy, slots, strict=True)]
         telemetry.decode_turn(capped, seconds, lags)
