@@ -69,7 +69,8 @@ class Tokenizer:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def save(self, directory: str | Path) -> None:
-        """Writes `tokenizer.json` and a minimal `tokenizer_config.json` that `load` reads back."""
+        """Writes `tokenizer.json` and a minimal `tokenizer_config.json`, which
+        `load_tokenizer` reads back."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.tok.save(str(directory / "tokenizer.json"))

@@ -99,8 +99,9 @@ def format_reward(completion: str, answer: str, pattern: str = r"\\boxed\{.+?\}"
 def math_reward(completion: str, answer: str) -> float:
     r"""1 when math-verify finds the completion's final answer equal to the reference.
 
-    Both of math-verify's own timeouts are disabled: they use `signal.alarm`, which only works
-    in the main thread, and rewards run in worker threads under `RewardRunner`'s timeout.
+    Both of math-verify's own timeouts are disabled: `RewardRunner` enforces `reward.timeout_s`
+    itself, and their `signal.alarm` only works in a main thread, which a reward under
+    `isolation="thread"` is not.
 
     The reference is parsed as LaTeX first (boxed, then in `$...$`), plain text last: plain-text
     parsing extracts the first number it sees, so `2\sqrt{2}` or `3\pi` would become 2 or 3, and

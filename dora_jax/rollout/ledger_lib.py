@@ -1,6 +1,6 @@
 """The run ledger, `WORKDIR/ledger.jsonl`: one JSON object per line, the audit's only input.
 
-Events (issue 5): `start` (the bounds the audit checks against, so it needs nothing but the
+Events: `start` (the bounds the audit checks against, so it needs nothing but the
 file), `dispatch` when a sample starts decoding (again, with the same key, when a failed
 instance's sample is regenerated), `train` when a sample is trained (its step done, the new
 version taken up), `end` when the run stops with how it stopped (`"completed"`, or the error

@@ -1,4 +1,4 @@
-"""Supervised warm-up on demonstrations (`dora-jax sft`, or the first phase of `make train`).
+"""Supervised warm-up on demonstrations (`sft.steps`: the first phase of `dora-jax train`).
 
 RL with a verifiable reward needs a policy that already succeeds sometimes: from a random
 initialisation every sample scores 0, every group's advantage is 0 and nothing is learned. A
