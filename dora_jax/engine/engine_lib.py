@@ -18,7 +18,6 @@ power of two; generate, insert, export and free each compile once per engine, an
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -28,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dora_jax.checks_lib import as_integer, is_count
 from dora_jax.engine import sampling_lib
 from dora_jax.engine.request_lib import FinishReason, Request
 from dora_jax.engine.sampling_lib import SamplingParams
@@ -172,7 +172,7 @@ class Engine:
             ("max_decode_length", max_decode_length),
             ("max_eos_ids", max_eos_ids),
         ):
-            if int(value) != value or value < 1:
+            if not is_count(value, 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
@@ -185,7 +185,7 @@ class Engine:
         self._max_decode_length = int(max_decode_length)
         if cache_length is None:
             cache_length = self._max_prefill_length + self._max_decode_length
-        if int(cache_length) != cache_length or cache_length < self._max_prefill_length:
+        if not is_count(cache_length, self._max_prefill_length):
             raise ValueError(
                 f"cache_length must be an integer >= max_prefill_length="
                 f"{self._max_prefill_length}, got {cache_length!r}"
@@ -461,7 +461,7 @@ class Engine:
         is the host's, so on a small model or a busy host it is most of a step's; the price is
         that a finished slot can only be refilled after the last step. Stops early once no slot
         is decoding; consumes (donates) `decode_state`."""
-        if _integer(steps) is None or steps < 1:
+        if not is_count(steps, 1):
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
         steps = int(steps)  # the static argument: np.int64(2) and 2 are one program
         version = policy_version(params)
@@ -575,7 +575,7 @@ class Engine:
 
     def _check_slots(self, slot: int | Sequence[int]) -> list[int]:
         given = [slot] if np.ndim(slot) == 0 else list(slot)
-        slots = [_integer(s) for s in given]
+        slots = [as_integer(s) for s in given]
         for s, g in zip(slots, given, strict=True):
             if s is None:
                 raise ValueError(f"slot {g!r} is not an integer")
@@ -806,14 +806,3 @@ def _pack(token, valid, length, finish, version, log_prob):
         [token, valid.astype(jnp.int32), length, finish, version.astype(jnp.int32)], axis=-1
     ).astype(jnp.int32)
     return data, log_prob[:, None].astype(jnp.float32)
-
-
-def _integer(value: Any) -> int | None:
-    """`value` as an int if it is an integer of any kind (Python, numpy), else None: 1.5 is no
-    slot, where int(1.5) would quietly make it slot 1."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None

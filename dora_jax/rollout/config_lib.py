@@ -7,6 +7,7 @@ from typing import Any
 
 import ml_collections
 
+from dora_jax.checks_lib import is_count
 from dora_jax.train.config_lib import TrainConfig, dataclass_section
 
 # Set once for the whole run, as the config's top-level `seed`.
@@ -50,10 +51,10 @@ class RolloutConfig:
             "timer_steps",
             "decode_steps_per_turn",
         ):
-            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+            if not is_count(getattr(self, field), 1):
                 raise bad(field, "must be a positive integer")
         for field in ("staleness_bound", "publish_delay_steps"):
-            if not isinstance(getattr(self, field), int) or getattr(self, field) < 0:
+            if not is_count(getattr(self, field), 0):
                 raise bad(field, "must be an integer >= 0")
         if self.train_batch_size % self.group_size:
             raise bad("train_batch_size", f"must be a multiple of group_size={self.group_size}")

@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from dora_jax.checks_lib import as_integer
 from dora_jax.rollout.trajectory_lib import Trajectory
 
 LEDGER_FILE = "ledger.jsonl"
@@ -130,7 +131,7 @@ class Ledger:
 
 
 def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is no sample id
+    return as_integer(v) is not None  # JSON true is no sample id
 
 
 def _keys(v: Any) -> bool:

@@ -18,6 +18,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from dora_jax.checks_lib import is_count
+
 
 def split(
     train_cores: int, field: str = "runtime.train_cpu_cores"
@@ -26,7 +28,7 @@ def split(
 
     The trainer takes the highest-numbered ones. Errors name `field`, the config entry to change.
     """
-    if not isinstance(train_cores, int) or isinstance(train_cores, bool) or train_cores < 1:
+    if not is_count(train_cores, 1):
         raise ValueError(f"{field} must be a positive integer, got {train_cores!r}")
     if not hasattr(os, "sched_getaffinity"):
         raise ValueError(f"{field}: pinning processes to cores needs Linux (set it to 0)")

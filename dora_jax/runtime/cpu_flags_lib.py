@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import os
 
+from dora_jax.checks_lib import is_count
+
 
 def use_cpu_devices(count: int) -> None:
     """Adds the CPU-host flags to `XLA_FLAGS` (each unless already present)."""
-    if not isinstance(count, int) or count < 1:
+    if not is_count(count, 1):
         raise ValueError(f"num_cpu_devices must be a positive integer, got {count!r}")
     flags = os.environ.get("XLA_FLAGS", "")
     wanted = {

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
+from dora_jax.checks_lib import is_count
 from dora_jax.models import sharding_lib
 
 
@@ -28,7 +29,7 @@ class DevicePlan:
 
 
 def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
+    if not is_count(value, 1):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import ml_collections
 
+from dora_jax.checks_lib import is_count
 from dora_jax.train import advantage_lib, loss_lib
 
 SCHEDULES = ("constant", "cosine")
@@ -71,9 +72,10 @@ class TrainConfig:
     max_skipped_steps: int | None = 10
 
     def __post_init__(self) -> None:
-        _positive(self, "tbs", "group_size", "mini_batches", "decay_steps")
+        _counts(self, 1, "tbs", "group_size", "mini_batches", "decay_steps")
+        _counts(self, 0, "warmup_steps")
         _positive(self, "learning_rate", "adam_eps")
-        _non_negative(self, "warmup_steps", "weight_decay", "kl_coef", "advantage_eps")
+        _non_negative(self, "weight_decay", "kl_coef", "advantage_eps")
         _non_negative(self, "eps_low", "eps_high", "eps_neg_low", "eps_neg_high", "eps_pos_high")
         if self.tbs % self.group_size:
             _fail("tbs", f"{self.tbs} must be a multiple of group_size={self.group_size}")
@@ -191,12 +193,18 @@ def check_integer_fields(config: ml_collections.ConfigDict, minima: Mapping[str,
         value = config
         for part in field.split("."):
             value = value[part]
-        if not isinstance(value, int) or value < least:
+        if not is_count(value, least):
             raise ValueError(f"{field}={value!r}: must be an integer >= {least}")
 
 
 def _fail(field: str, why: str) -> None:
     raise ValueError(f"train config field {field!r}: {why}")
+
+
+def _counts(config: TrainConfig, least: int, *names: str) -> None:
+    for name in names:
+        if not is_count(getattr(config, name), least):
+            _fail(name, f"{getattr(config, name)!r} must be an integer >= {least}")
 
 
 def _positive(config: TrainConfig, *names: str) -> None:
