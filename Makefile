@@ -1,5 +1,7 @@
 # The two commands of the README: `make train` and `make test`. Each creates the virtual
 # environment on first use (and again whenever pyproject.toml changes), then reuses it.
+# `make format` formats and fixes lint; `make bench` is the engine's decode benchmark
+# (benchmarks/engine_decode.py; the rollout paradigms' is `dora-jax bench`).
 PYTHON ?= python3
 VENV ?= .venv
 WORKDIR ?= runs/default
@@ -26,5 +28,5 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-bench: $(STAMP)
+bench: $(STAMP)  # the engine's decode benchmark
 	$(BIN)/python benchmarks/engine_decode.py

@@ -25,7 +25,7 @@ def get_config() -> ml_collections.ConfigDict:
     # the plain modes, e.g. `--config.modes=sync,dora,dora@tight`; their fields can be
     # overridden from the command line like any other (`--config.variants.tight.staleness_bound=5`).
     # `tight` keeps less in flight under a tighter bound (the bench's settings before 12-06):
-    # 4660 instance steps against the bench's 4356.
+    # 4660 instance steps against the bench's 4256.
     c.variants = ml_collections.ConfigDict()
     c.variants.tight = ml_collections.ConfigDict()
     c.variants.tight.rollout_batch_size = 160
@@ -82,7 +82,8 @@ def get_config() -> ml_collections.ConfigDict:
     # iterations after its version, so a max_length response (160 decode steps) plus its wait
     # for a slot must fit in K iterations of ~publish_delay_steps (40) decode steps, or the
     # trainer waits for it. dora's schedule is logical (the bench's `instance_steps`, the same
-    # on any machine): 4660 instance steps at RBS 160 / K 6, 4356 at 192 / 8, 4650 at 224 / 8,
+    # on any machine): 4660 instance steps at RBS 160 / K 6, 4356 at 192 / 8 (4256 since spare
+    # slots take older versions' work only, BENCHMARKS.md), 4650 at 224 / 8,
     # 4795 at 192 / 7, 4212 at 192 / 10; 192 / 8 was the fastest in two sweeps (BENCHMARKS.md).
     # publish_delay_steps: about one training step (~45 ms on its own core) in decode steps
     # (~1.3 ms for three instances), so the trainer's step overlaps decoding instead of the loop

@@ -31,7 +31,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.num_heads = 4
     c.model.num_kv_heads = 2
     c.model.head_dim = 16
-    c.model.qk_norm = True
+    # Unset (None): what `architecture` implies (Qwen3: on), so that switching the architecture
+    # alone gives a valid model; `--config.model.qk_norm=false` states it.
+    c.model.qk_norm = ml_collections.config_dict.placeholder(bool)
 
     c.runtime = ml_collections.ConfigDict()
     c.runtime.train_devices = 4

@@ -19,7 +19,14 @@ from ml_collections import config_flags
 from dora_jax.runtime import compile_cache_lib, cpu_flags_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
-_WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Directory for run outputs.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for run outputs (default: runs/default; bench: runs/bench)."
+)
+
+
+def _workdir(default: str = "runs/default") -> str:
+    """`--workdir`, or the command's own default: the bench's must not fill a training run's."""
+    return _WORKDIR.value if _WORKDIR.value is not None else default
 
 
 def _config():
@@ -27,6 +34,9 @@ def _config():
         # orbax logs every checkpoint step at INFO, which buries the progress display;
         # `--verbosity=0` brings those logs back.
         logging.set_verbosity(logging.WARNING)
+    for name in _HOST_FLAGS:
+        if flags.FLAGS[name].present:  # ignored here: the config's field decides
+            sys.exit(f"--{name} is `dora-jax host`'s flag; here set --config.{name} instead")
     config = _CONFIG.value
     if config is None:
         sys.exit("--config=configs/<name>.py is required")
@@ -40,14 +50,14 @@ def _train(argv: list[str]) -> None:
     config = _config()
     from dora_jax import app_lib
 
-    summary = app_lib.train_and_evaluate(config, _WORKDIR.value)
+    summary = app_lib.train_and_evaluate(config, _workdir())
     before, after = (
         app_lib.format_accuracy(summary[k])
         for k in ("heldout_accuracy_before", "heldout_accuracy_after")
     )
     print(
         f"held-out pass@1 {before} -> {after} in {summary['iterations']} iterations, "
-        f"{summary['wall_time_s']:.0f}s; outputs in {_WORKDIR.value}"
+        f"{summary['wall_time_s']:.0f}s; outputs in {_workdir()}"
     )
 
 
@@ -56,14 +66,14 @@ def _eval(argv: list[str]) -> None:
     config = _config()
     from dora_jax import app_lib
 
-    scores = app_lib.evaluate_checkpoint(config, _WORKDIR.value)
+    scores = app_lib.evaluate_checkpoint(config, _workdir())
     print("  ".join(f"{k} {v:.4g}" for k, v in scores.items()))
 
 
 def _audit(argv: list[str]) -> None:
     from dora_jax.rollout import audit_lib
 
-    workdir = argv[1] if len(argv) > 1 else _WORKDIR.value
+    workdir = argv[1] if len(argv) > 1 else _workdir()
     sys.exit(audit_lib.main(workdir))
 
 
@@ -72,7 +82,7 @@ def _bench(argv: list[str]) -> None:
     config = _config()
     from dora_jax.rollout import bench_lib
 
-    bench_lib.run_bench(config, _WORKDIR.value)
+    bench_lib.run_bench(config, _workdir("runs/bench"))
 
 
 _ADDRESS = flags.DEFINE_string("address", "0.0.0.0:7100", "`host`: HOST:PORT to listen on.")
@@ -82,6 +92,8 @@ _CACHE_DIR = flags.DEFINE_string(
     compile_cache_lib.DEFAULT_DIRECTORY,
     "`host`: JAX's persistent compilation cache ('' = off).",
 )
+# The other commands take these from their config (`--config.num_cpu_devices=...`).
+_HOST_FLAGS = ("address", "num_cpu_devices", "compilation_cache_dir")
 
 
 def _host(argv: list[str]) -> None:
@@ -106,6 +118,11 @@ def run() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
         sys.exit(f"usage: dora-jax {{{'|'.join(COMMANDS)}}} [--config=configs/default.py] ...")
     command = sys.argv.pop(1)
+    if any(a in ("-h", "--help", "--helpshort") for a in sys.argv[1:]):
+        # absl's own help lists the flags of `__main__`, the console script, which has none.
+        print(__doc__)
+        print(flags.FLAGS.module_help(sys.modules[__name__]))
+        sys.exit(0)
     app.run(COMMANDS[command])
 
 

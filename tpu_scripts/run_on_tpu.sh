@@ -25,6 +25,12 @@ gcloud compute tpus tpu-vm scp --worker=0 --zone="$zone" "$tarball" "$name":~/do
 train_args=$(printf ' %q' "--config=$config" "--workdir=$workdir" "$@")
 gcloud compute tpus tpu-vm ssh "$name" --worker=0 --zone="$zone" --command="
   set -e; mkdir -p ~/dora_jax && tar -xzf ~/dora_jax.tar.gz -C ~/dora_jax && cd ~/dora_jax
-  python3 -m venv .venv && .venv/bin/pip install -q -U pip
+  # dora_jax needs Python >= 3.11; the Ubuntu 22.04 TPU images ship 3.10 as python3.
+  py=python3
+  if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    sudo apt-get update -q && sudo apt-get install -y -q python3.11 python3.11-venv
+    py=python3.11
+  fi
+  \$py -m venv .venv && .venv/bin/pip install -q -U pip
   .venv/bin/pip install -q -e . 'jax[tpu]'
   .venv/bin/dora-jax train$train_args"

@@ -120,11 +120,13 @@ def _parse(text: str) -> list:
     return math_verify.parse(text, parsing_timeout=None)
 
 
-# sympy computes a power of numbers exactly, in C, holding the GIL, so `RewardRunner`'s timeout
-# thread never runs: one completion boxing `10^{10^{8}}` froze the whole run. A completion that
-# writes a power of numbers with an exponent that is itself a power (a tower), or one of more
-# than about `_MAX_POWER_DIGITS` digits, scores 0 before sympy sees it. Only such powers are
-# caught; other input that is slow without releasing the GIL still relies on the timeout.
+# sympy computes a power of numbers exactly, in C, holding the GIL: one completion boxing
+# `10^{10^{8}}` froze a whole run when rewards ran in threads. `RewardRunner` now kills such a
+# call's worker process at the timeout; this check spares the worker a restart and still
+# guards `isolation="thread"`, where nothing can stop the call. A completion that writes a
+# power of numbers with an exponent that is itself a power (a tower), or one of more than
+# about `_MAX_POWER_DIGITS` digits, scores 0 before sympy sees it; other slow input relies on
+# the timeout.
 _MAX_POWER_DIGITS = 10**6  # ~0.3 s for sympy; ten times more took 6 s
 _POWER_OPERATOR = re.compile(r"\^|\*\*")
 _BASE_DIGITS = re.compile(r"(\d*)[\s{}()]*$")

@@ -239,6 +239,20 @@ def test_cli_reports_a_bad_field_and_exits_non_zero():
     assert not os.path.exists("/tmp/never_written/ledger.jsonl")
 
 
+def test_cli_help_lists_its_flags_and_host_flags_are_refused_elsewhere():
+    """`--help` listed nothing (absl shows the flags of `__main__`, the console script), and
+    `train --num_cpu_devices=2` ran on the config's 8 devices without a word."""
+    command = [sys.executable, "-m", "dora_jax.cli"]
+    shown = subprocess.run(command + ["train", "--help"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    assert shown.returncode == 0 and "--workdir" in shown.stdout and "--config" in shown.stdout
+    refused = subprocess.run(
+        command + ["eval", "--config=configs/default.py", "--num_cpu_devices=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "--config.num_cpu_devices" in refused.stderr
+
+
 # `dora-jax train`, interrupted (Ctrl-C, a preemption) while its checkpoint 2 is being written.
 _INTERRUPTED_AT_ITERATION_3 = """
 import sys
