@@ -93,7 +93,15 @@ def _fields(payload: Any, prompt_field: str, answer_field: str) -> tuple[str, st
 class _Prepare:
     """The map step: a `Row` -> a prompt record, or a bad-row marker (never an exception)."""
 
-    def __init__(self, num_rows, tokenizer, template, prompt_field, answer_field, max_prompt_len):
+    def __init__(
+        self,
+        num_rows: int,
+        tokenizer: Tokenizer,
+        template: PromptTemplate,
+        prompt_field: str,
+        answer_field: str,
+        max_prompt_len: int,
+    ):
         self.num_rows, self.tokenizer, self.template = num_rows, tokenizer, template
         self.prompt_field, self.answer_field = prompt_field, answer_field
         self.max_prompt_len = max_prompt_len

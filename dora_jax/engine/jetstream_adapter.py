@@ -65,7 +65,7 @@ class TokenIdTokenizer(tokenizer_api.Tokenizer):
         self._eos_ids = tuple(int(e) for e in eos_ids)
         self._encode, self._decode = encode, decode
 
-    def encode(self, s: str, **kwargs: Any):
+    def encode(self, s: str, **kwargs: Any) -> tuple[np.ndarray, int]:
         if self._encode is None:
             raise NotImplementedError("text requests need TokenIdTokenizer(encode=...)")
         return token_utils.pad_tokens(
@@ -152,11 +152,15 @@ class JetStreamEngine(engine_api.Engine):
         )
         return prefix
 
-    def insert(self, prefix: Prefix, decode_state: AdapterDecodeState, slot: int):
+    def insert(
+        self, prefix: Prefix, decode_state: AdapterDecodeState, slot: int
+    ) -> AdapterDecodeState:
         slots = self.engine._insert_rows(decode_state.slots, prefix, [int(slot)])
         return AdapterDecodeState(slots, decode_state.pending.at[slot].set(True))
 
-    def generate(self, params: PolicyParams, decode_state: AdapterDecodeState):
+    def generate(
+        self, params: PolicyParams, decode_state: AdapterDecodeState
+    ) -> tuple[AdapterDecodeState, engine_api.ResultTokens]:
         if not isinstance(params, PolicyParams):
             raise TypeError("params must be PolicyParams (see JetStreamEngine.load_params)")
         decode_state, data = self._step_jit(params.leaves, decode_state)

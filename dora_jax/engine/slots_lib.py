@@ -33,11 +33,11 @@ class PolicyParams:
         # measured), which every decode step would otherwise pay on top of its dispatch.
         self.leaves = tuple(jax.tree.leaves(state))
 
-    def tree_flatten(self):
+    def tree_flatten(self) -> tuple[tuple[Any], int]:
         return (self.state,), self.version
 
     @classmethod
-    def tree_unflatten(cls, version, children):
+    def tree_unflatten(cls, version: int, children: tuple[Any]) -> PolicyParams:
         return cls(children[0], version)
 
     def __repr__(self) -> str:
@@ -144,24 +144,20 @@ class ResultTokens:
 
     # Whole-batch views (numpy after `convert_to_numpy`).
     @property
-    def tokens(self):
+    def tokens(self) -> np.ndarray:
         return self.data[:, self.tokens_idx[0]]
 
     @property
-    def valid(self):
+    def valid(self) -> np.ndarray:
         return self.data[:, self.valid_idx[0]].astype(bool)
 
     @property
-    def lengths(self):
+    def lengths(self) -> np.ndarray:
         return self.data[:, self.length_idx[0]]
 
     @property
-    def finish_reasons(self):
+    def finish_reasons(self) -> np.ndarray:
         return self.data[:, self.finish_idx[0]]
-
-    @property
-    def slot_versions(self):
-        return self.data[:, self.version_idx[0]]
 
 
 @struct.dataclass

@@ -90,7 +90,17 @@ class RMSNorm(nnx.Module):
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel is [in, out] (the transpose of torch's Linear.weight)."""
 
-    def __init__(self, rngs, din, dout, axes, *, bias: bool, param_dtype: Any, dtype: Any):
+    def __init__(
+        self,
+        rngs: nnx.Rngs,
+        din: int,
+        dout: int,
+        axes: tuple[str, str],
+        *,
+        bias: bool,
+        param_dtype: Any,
+        dtype: Any,
+    ):
         self.kernel = _param(rngs, (din, dout), axes, param_dtype)
         self.bias = _zeros((dout,), axes[1:], param_dtype) if bias else None
         self.dtype = dtype
@@ -232,7 +242,9 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(c, c.intermediate_size, rngs, param_dtype, dtype)
 
-    def __call__(self, x, positions, cache, layer):
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, cache: KVCache | None, layer: int
+    ) -> tuple[jax.Array, KVCache | None, jax.Array | None]:
         attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache, layer)
         x = x + attn_out
         ff = self.mlp(self.post_attention_layernorm(x))
@@ -336,13 +348,13 @@ class Functional:
 
     def forward(
         self,
-        params,
-        tokens,
-        positions,
+        params: Any,
+        tokens: jax.Array,
+        positions: jax.Array,
         cache: KVCache | None = None,
         logits_at: jax.Array | None = None,
     ) -> ForwardOutput:
         return nnx.merge(self.graphdef, params).forward(tokens, positions, cache, logits_at)
 
-    def logits(self, params, input_ids: jax.Array) -> jax.Array:
+    def logits(self, params: Any, input_ids: jax.Array) -> jax.Array:
         return nnx.merge(self.graphdef, params)(input_ids)

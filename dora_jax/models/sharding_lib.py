@@ -74,7 +74,9 @@ def param_shardings(
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES):
+def shard_model(
+    model: nnx.Module, mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES
+) -> nnx.Module:
     """Moves `model`'s parameters onto `mesh` in place, sharded by the rules."""
     state = nnx.state(model)
     nnx.update(model, jax.device_put(state, param_shardings(state, mesh, rules)))

@@ -17,6 +17,7 @@ import importlib
 import inspect
 import re
 from collections.abc import Callable
+from typing import Any
 
 import math_verify
 
@@ -60,7 +61,7 @@ def _from_path(path: str) -> RewardFn:
     return fn
 
 
-def get_reward(name: str, **options) -> RewardFn:
+def get_reward(name: str, **options: Any) -> RewardFn:
     """The reward `name` (registered or dotted path) with `options` bound as keyword arguments."""
     fn = _REGISTRY[name] if name in _REGISTRY else _from_path(name)
     params = inspect.signature(fn).parameters

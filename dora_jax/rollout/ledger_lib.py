@@ -59,7 +59,9 @@ class Ledger:
     def _write(self, event: dict[str, Any]) -> None:
         self._file.write(json.dumps(event) + "\n")
 
-    def start(self, *, mode: str, staleness_bound: int, train_batch_size: int, group_size: int):
+    def start(
+        self, *, mode: str, staleness_bound: int, train_batch_size: int, group_size: int
+    ) -> None:
         self._write(
             {
                 "event": "start",

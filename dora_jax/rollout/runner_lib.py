@@ -389,7 +389,7 @@ class Rollout:
             self.telemetry.counters["weight_move_bytes"] += nbytes
             return
 
-    def migrate(self, src: RolloutInstance, slot: int, dst: RolloutInstance, dst_slot: int):
+    def migrate(self, src: RolloutInstance, slot: int, dst: RolloutInstance, dst_slot: int) -> None:
         """Moves a request with its KV cache to another instance of the same version. An engine
         error takes out the instance that raised; the request is requeued either way (until
         `src` lets it go it is in `src`'s slot, after that `dst` owns it)."""

@@ -50,7 +50,9 @@ def register_loss(name: str) -> Callable[[LossFn], LossFn]:
 
 
 @register_loss("ppo_clip")
-def ppo_clip(logp, old_logp, adv, mask, config) -> PolicyTerms:
+def ppo_clip(
+    logp: jax.Array, old_logp: jax.Array, adv: jax.Array, mask: jax.Array, config: Any
+) -> PolicyTerms:
     """PPO clipped surrogate with separate bounds [1 - eps_low, 1 + eps_high] (DAPO)."""
     del mask
     ratio = jnp.exp(logp - old_logp)
@@ -61,7 +63,9 @@ def ppo_clip(logp, old_logp, adv, mask, config) -> PolicyTerms:
 
 
 @register_loss("triplet")
-def triplet(logp, old_logp, adv, mask, config) -> PolicyTerms:
+def triplet(
+    logp: jax.Array, old_logp: jax.Array, adv: jax.Array, mask: jax.Array, config: Any
+) -> PolicyTerms:
     """LongCat triplet clipping: A < 0 keeps the ratio in [1 - eps_neg_low, 1 + eps_neg_high]
     (the upper bound is dual-clip: a huge ratio on a bad token cannot blow up the update);
     A > 0 caps it at 1 + eps_pos_high."""
@@ -81,7 +85,9 @@ def triplet(logp, old_logp, adv, mask, config) -> PolicyTerms:
 
 
 @register_loss("gspo")
-def gspo(logp, old_logp, adv, mask, config) -> PolicyTerms:
+def gspo(
+    logp: jax.Array, old_logp: jax.Array, adv: jax.Array, mask: jax.Array, config: Any
+) -> PolicyTerms:
     """GSPO (token form): the ratio is the sequence's length-normalised likelihood ratio
     s = exp(mean_t(logp - old_logp)); each token carries sg(s) * exp(logp - sg(logp)), equal to
     s in value, so with seq_mean_token_mean aggregation the gradient is exactly GSPO's."""

@@ -9,6 +9,7 @@ tiny CPU policy to a modest accuracy that RL then raises.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ def pack_examples(
     return tokens, mask
 
 
-def sequence_loss(fn: Functional, params, tokens: jax.Array, mask: jax.Array) -> jax.Array:
+def sequence_loss(fn: Functional, params: Any, tokens: jax.Array, mask: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy over masked positions."""
     logits = fn.logits(params, tokens)[:, :-1]
     targets = tokens[:, 1:]
