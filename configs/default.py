@@ -79,6 +79,10 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.reward = ml_collections.ConfigDict()
     c.reward.name = "exact_match"  # a registered name or a dotted path to a user function
+    # Keyword arguments bound to the reward function once, e.g. the `format` reward's
+    # `c.reward.options.pattern = r"<answer>.+?</answer>"` (set in a config file: a command-line
+    # override can only change an option the file already sets).
+    c.reward.options = ml_collections.ConfigDict()
     c.reward.timeout_s = 5.0
     # "process": each call in a worker process, killed past the timeout even when stuck in C
     # code; "thread" for a reward function that does not pickle (its hung calls are abandoned).

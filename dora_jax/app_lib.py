@@ -100,7 +100,9 @@ _SECTION_FIELDS: dict[str, frozenset[str]] = {
         }
     ),
     "task": frozenset({*(f.name for f in dataclasses.fields(LongTailTask)), "demonstration_noise"}),
-    "reward": frozenset({"name", "timeout_s", "isolation", "overlong_buffer", "overlong_penalty"}),
+    "reward": frozenset(
+        {"name", "options", "timeout_s", "isolation", "overlong_buffer", "overlong_penalty"}
+    ),
     "engine": frozenset({"slots", "max_decode_length", "temperature", "top_k", "top_p"}),
     "sft": frozenset({"steps", "batch_size", "learning_rate"}),
     "eval": frozenset({"num_prompts", "samples_per_prompt"}),
@@ -341,7 +343,7 @@ class PromptStream:
 def reward_runner(config: ml_collections.ConfigDict) -> RewardRunner:
     """The task's reward under the runner's timeout, in worker processes (`reward.isolation`)."""
     r = config.reward
-    fn = get_reward(r.name)  # its errors name reward.name
+    fn = get_reward(r.name, **r.options.to_dict())  # its errors name reward.name / .options
     return _named("reward.", lambda: RewardRunner(fn, timeout_s=r.timeout_s, isolation=r.isolation))
 
 

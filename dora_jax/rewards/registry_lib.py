@@ -2,8 +2,8 @@
 
 A reward function is `fn(completion: str, answer: str, **options) -> float`: the decoded
 response (special tokens removed) and the dataset's reference answer. Options come from the
-config (e.g. the `format` reward's pattern) and are bound once by `get_reward`, which rejects an
-option the function does not take with a message naming it.
+config's `reward.options` (e.g. the `format` reward's `pattern`) and are bound once by
+`get_reward`, which rejects an option the function does not take with a message naming it.
 
 Built-ins: `exact_match`, `math` (math-verify), `format`. Anything else is a user function given
 by dotted path, `"package.module:function"` or `"package.module.function"`, or registered with
@@ -68,7 +68,7 @@ def get_reward(name: str, **options: Any) -> RewardFn:
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     for option in options:
         if not takes_any and option not in params:
-            raise ValueError(f"reward {name!r} has no option {option!r}")
+            raise ValueError(f"reward.options.{option}: reward {name!r} takes no such option")
     # `RewardRunner` calls it as fn(completion, answer): a function that cannot take that call
     # would pass this start-up check and then raise on every sample, scoring 0 for the whole run.
     try:

@@ -183,6 +183,23 @@ def test_the_trained_reward_is_the_tasks_plus_the_overlong_penalty():
     assert reward.metrics()["reward/calls"] == 4
 
 
+def test_reward_options_from_the_config_are_bound_to_the_reward():
+    """`reward.options` reach the function in its worker processes; a misspelled one fails at
+    start, naming the field (the registry took options, but no config field could give them)."""
+    config = default.get_config()
+    config.reward.name = "format"
+    config.reward.options = {"pattern": r"<answer>.+?</answer>"}
+    runner = app_lib.reward_runner(config)
+    try:
+        scored = runner.score([(0, "so <answer>7</answer>", ""), (1, "so \\boxed{7}", "")])
+    finally:
+        runner.close()
+    assert scored == [1.0, 0.0]  # the default pattern would score them the other way round
+    config.reward.options = {"patern": "x"}
+    with pytest.raises(ValueError, match=r"reward\.options\.patern"):
+        app_lib.validate(config)
+
+
 def test_a_prompts_record_is_dropped_once_its_group_is_scored():
     records = iter([{"prompt_tokens": [i], "answer": str(i)} for i in range(3)])
     prompts = app_lib.PromptStream(records, group_size=2, max_new_tokens=4)
