@@ -120,7 +120,9 @@ def test_errors_name_the_reward_and_option():
         get_reward("reward_helpers:missing")
     with pytest.raises(ValueError, match="cannot import"):
         get_reward("no_such_module_xyz.fn")
-    with pytest.raises(ValueError, match="no option 'patern'"):
+    with pytest.raises(
+        ValueError, match=r"reward\.options\.patern: reward 'format' takes no such option"
+    ):
         get_reward("format", patern="x")
 
 
