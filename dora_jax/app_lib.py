@@ -24,6 +24,7 @@ from flax import nnx
 
 from dora_jax import models
 from dora_jax.data import (
+    BAD_ROW_MODES,
     LongTailTask,
     Tokenizer,
     load_tokenizer,
@@ -139,8 +140,10 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
             "model.checkpoint must name a Hugging Face model directory when data.source='files' "
             "(its tokenizer.json tokenizes the files' prompts)"
         )
-    if config.data.on_bad_row not in ("skip", "error"):
-        raise ValueError(f"data.on_bad_row={config.data.on_bad_row!r}: expected 'skip' or 'error'")
+    if config.data.on_bad_row not in BAD_ROW_MODES:
+        raise ValueError(
+            f"data.on_bad_row={config.data.on_bad_row!r}: expected one of {BAD_ROW_MODES}"
+        )
     check_integer_fields(config, _MINIMA)
     _named("engine.", lambda: _sampling(config))
     if config.data.template != "chat":  # a chat template is the checkpoint's, checked on load
@@ -393,6 +396,10 @@ class RewardAdapter:
 # -- policy -------------------------------------------------------------------------------------
 
 
+def _checkpointer(config: ml_collections.ConfigDict, workdir: str) -> Checkpointer:
+    return Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+
+
 def load_policy(
     config: ml_collections.ConfigDict, vocab_size: int, mesh: jax.sharding.Mesh
 ) -> models.Transformer:
@@ -622,7 +629,7 @@ def _train_and_evaluate(
     os.makedirs(workdir, exist_ok=True)
     data = load_task(config)
     runner = reward_runner(config)
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+    checkpointer = _checkpointer(config, workdir)
     latest = checkpointer.latest_step()
     if latest is not None:  # before anything of the saved run is restored or cut back
         check_same_run(checkpointer.read_meta(latest).get("config"), config, workdir)
@@ -774,7 +781,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
     data = load_task(config)
     model = load_policy(config, data.tokenizer.vocab_size, settings.plan.train_mesh)
     engine = make_engines(config, model, settings.plan, data.tokenizer.eos_ids)[0]
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+    checkpointer = _checkpointer(config, workdir)
     latest = checkpointer.latest_step()
     params = engine.load_params(version=0)
     if latest is not None:

@@ -2,6 +2,7 @@
 
 from dora_jax.data.longtail_task import LongTailTask, length_stats
 from dora_jax.data.pipeline_lib import (
+    BAD_ROW_MODES,
     BadRowError,
     NoUsableRowsError,
     PromptIterator,
@@ -12,6 +13,7 @@ from dora_jax.data.template_lib import ChatTemplate, FormatTemplate, PromptTempl
 from dora_jax.data.tokenizer_lib import Tokenizer, char_tokenizer, load_tokenizer
 
 __all__ = [
+    "BAD_ROW_MODES",
     "BadRowError",
     "ChatTemplate",
     "FormatTemplate",

@@ -123,9 +123,7 @@ class ResultTokens:
     version: int = struct.field(pytree_node=False, default=0)
 
     def copy_to_host_async(self) -> None:
-        for x in (self.data, self.log_probs):
-            if isinstance(x, jax.Array):
-                x.copy_to_host_async()
+        _copy_to_host_async(self.data, self.log_probs)
 
     def convert_to_numpy(self) -> ResultTokens:
         return self.replace(data=np.asarray(self.data), log_probs=np.asarray(self.log_probs))
@@ -176,12 +174,18 @@ class StepResults:
     version: int = struct.field(pytree_node=False, default=0)
 
     def copy_to_host_async(self) -> None:
-        for x in (self.data, self.log_probs):
-            if isinstance(x, jax.Array):
-                x.copy_to_host_async()
+        _copy_to_host_async(self.data, self.log_probs)
 
     def convert_to_numpy(self) -> list[ResultTokens]:
         data, log_probs = np.asarray(self.data), np.asarray(self.log_probs)
         return [
             ResultTokens(d, lp, version=self.version) for d, lp in zip(data, log_probs, strict=True)
         ]
+
+
+def _copy_to_host_async(*arrays: Any) -> None:
+    """Starts the device-to-host copy of each array still on a device (JetStream's hook, so a
+    later read-back does not wait for the transfer)."""
+    for x in arrays:
+        if isinstance(x, jax.Array):
+            x.copy_to_host_async()

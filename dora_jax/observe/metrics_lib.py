@@ -16,6 +16,8 @@ from typing import Any
 
 from tensorboardX import SummaryWriter
 
+METRICS_FILE = "metrics.jsonl"  # in the workdir, beside TensorBoard's event files
+
 
 class MetricsWriter:
     """Writes one scalar per metric per step under `workdir` (`events.*` and `metrics.jsonl`).
@@ -27,7 +29,7 @@ class MetricsWriter:
 
     def __init__(self, workdir: str, resume_offset: int | None = None, first_step: int = 1):
         os.makedirs(workdir, exist_ok=True)
-        path = os.path.join(workdir, "metrics.jsonl")
+        path = os.path.join(workdir, METRICS_FILE)
         size = os.path.getsize(path) if os.path.exists(path) else 0
         if (resume_offset or 0) > size:  # truncate() would pad the file with NUL bytes
             raise ValueError(
@@ -63,7 +65,7 @@ class MetricsWriter:
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
     """The records `MetricsWriter` wrote to `workdir/metrics.jsonl`, in order."""
-    path = os.path.join(workdir, "metrics.jsonl")
+    path = os.path.join(workdir, METRICS_FILE)
     if not os.path.exists(path):
         return []
     with open(path) as f:

@@ -14,6 +14,8 @@ import os
 import time
 from typing import Any
 
+TRACE_FILE = "trace.json"  # in the workdir
+
 
 class TraceWriter:
     """Collects complete ("X") events on named tracks and writes them as one JSON file."""

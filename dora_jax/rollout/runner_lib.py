@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dora_jax.observe.trace_lib import TraceWriter
+from dora_jax.observe.trace_lib import TRACE_FILE, TraceWriter
 from dora_jax.rollout import ledger_lib, paradigms_lib
 from dora_jax.rollout.config_lib import RolloutConfig
 from dora_jax.rollout.instance_lib import RolloutInstance
@@ -101,7 +101,7 @@ class Rollout:
         if resume is None:
             self.trace = TraceWriter(name)
         else:  # the trace goes on from the run's before the restart
-            previous = os.path.join(workdir, "trace.json")
+            previous = os.path.join(workdir, TRACE_FILE)
             self.trace = TraceWriter(f"{name}, resumed at v{resume['newest']}", previous)
         self.telemetry = Telemetry([x.num_slots for x in self.instances], self.trace)
         # Trainer copies of published versions that no instance holds yet (version 0: the
@@ -577,7 +577,7 @@ class Rollout:
         )
         self.ledger.close()
         self.telemetry.close_all(self.trace.now_us())
-        self.trace.save(os.path.join(self.workdir, "trace.json"))
+        self.trace.save(os.path.join(self.workdir, TRACE_FILE))
 
 
 def _staging(x: RolloutInstance) -> Any:

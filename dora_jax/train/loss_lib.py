@@ -55,11 +55,7 @@ def ppo_clip(
 ) -> PolicyTerms:
     """PPO clipped surrogate with separate bounds [1 - eps_low, 1 + eps_high] (DAPO)."""
     del mask
-    ratio = jnp.exp(logp - old_logp)
-    low, high = 1.0 - config.eps_low, 1.0 + config.eps_high
-    objective = jnp.minimum(ratio * adv, jnp.clip(ratio, low, high) * adv)
-    clipped = {"clip_low": (adv < 0) & (ratio < low), "clip_high": (adv > 0) & (ratio > high)}
-    return PolicyTerms(objective, ratio, clipped)
+    return _clipped_surrogate(jnp.exp(logp - old_logp), adv, config)
 
 
 @register_loss("triplet")
@@ -94,6 +90,12 @@ def gspo(
     n = jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
     seq_ratio = jnp.exp(((logp - old_logp) * mask).sum(axis=1, keepdims=True) / n)
     ratio = jax.lax.stop_gradient(seq_ratio) * jnp.exp(logp - jax.lax.stop_gradient(logp))
+    return _clipped_surrogate(ratio, adv, config)
+
+
+def _clipped_surrogate(ratio: jax.Array, adv: jax.Array, config: Any) -> PolicyTerms:
+    """PPO's pessimistic objective min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), with the
+    tokens each bound clipped, for the ratio of `ppo_clip` (per token) and `gspo` (sequence)."""
     low, high = 1.0 - config.eps_low, 1.0 + config.eps_high
     objective = jnp.minimum(ratio * adv, jnp.clip(ratio, low, high) * adv)
     clipped = {"clip_low": (adv < 0) & (ratio < low), "clip_high": (adv > 0) & (ratio > high)}
