@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from dora_jax import models
+from dora_jax.config_fields_lib import check_integer_fields
 from dora_jax.data import (
     BAD_ROW_MODES,
     LongTailTask,
@@ -45,7 +46,7 @@ from dora_jax.runtime import hosts_lib, training_hosts_lib
 from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
 from dora_jax.train import sft_lib
 from dora_jax.train.checkpoint_lib import Checkpointer
-from dora_jax.train.config_lib import TrainConfig, check_integer_fields
+from dora_jax.train.config_lib import TrainConfig
 from dora_jax.train.trainer_lib import MirroredTrainer, Trainer
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

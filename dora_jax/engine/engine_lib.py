@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dora_jax.checks_lib import as_integer, is_count
+from dora_jax.config_fields_lib import as_integer, is_count
 from dora_jax.engine import sampling_lib
 from dora_jax.engine.request_lib import FinishReason, Request
 from dora_jax.engine.sampling_lib import SamplingParams

@@ -81,3 +81,11 @@ def shard_model(
     state = nnx.state(model)
     nnx.update(model, jax.device_put(state, param_shardings(state, mesh, rules)))
     return model
+
+
+def row_sharding(mesh: Mesh, rows: int) -> NamedSharding:
+    """Batch rows split over `fsdp` when it divides them, else replicated: `runtime` allows any
+    fsdp (3 devices give fsdp=3), and JAX refuses to split rows unevenly. Replicated rows give
+    the same result, each device computing on the whole batch."""
+    spec = PartitionSpec("fsdp") if rows % mesh.shape["fsdp"] == 0 else PartitionSpec()
+    return NamedSharding(mesh, spec)

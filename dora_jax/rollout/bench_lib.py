@@ -24,6 +24,7 @@ import ml_collections
 import numpy as np
 
 from dora_jax import models
+from dora_jax.config_fields_lib import check_integer_fields
 from dora_jax.engine import Engine
 from dora_jax.engine.request_lib import Request as EngineRequest
 from dora_jax.rollout import audit_lib, ledger_lib, request_lib, telemetry_lib
@@ -34,7 +35,6 @@ from dora_jax.runtime import cpu_cores_lib, hosts_lib
 from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
 from dora_jax.runtime.trainer_process_lib import TrainerProcess, TrainerSpec
 from dora_jax.train import Trainer
-from dora_jax.train.config_lib import check_integer_fields
 
 REPORTED = ("trained_tokens_per_s", "rollout_time_s", "step_time_s", "bubble_fraction",
             "slot_occupancy")  # fmt: skip

@@ -7,8 +7,8 @@ from typing import Any
 
 import ml_collections
 
-from dora_jax.checks_lib import is_count
-from dora_jax.train.config_lib import TrainConfig, dataclass_section
+from dora_jax.config_fields_lib import dataclass_section, is_count
+from dora_jax.train.config_lib import TrainConfig
 
 # Set once for the whole run, as the config's top-level `seed`.
 RUN_FIELDS = ("seed",)
@@ -84,7 +84,7 @@ class RolloutConfig:
 
 def config_section(**values: Any) -> ml_collections.ConfigDict:
     """A config file's `rollout` section: every field a user may set, at its default unless
-    given here (`train.config_lib.dataclass_section`)."""
+    given here (`config_fields_lib.dataclass_section`)."""
     elsewhere = {f: f"set it once, as the config's top-level {f}" for f in RUN_FIELDS}
     return dataclass_section(RolloutConfig, "rollout", values, elsewhere)
 

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from dora_jax.checks_lib import as_integer
+from dora_jax.config_fields_lib import as_integer
 from dora_jax.rollout.trajectory_lib import Trajectory
 
 LEDGER_FILE = "ledger.jsonl"

@@ -18,7 +18,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from dora_jax.checks_lib import is_count
+from dora_jax.config_fields_lib import is_count
 
 
 def split(

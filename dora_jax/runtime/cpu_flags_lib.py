@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from dora_jax.checks_lib import is_count
+from dora_jax.config_fields_lib import is_count
 
 
 def use_cpu_devices(count: int) -> None:

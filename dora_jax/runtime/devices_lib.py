@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
-from dora_jax.checks_lib import is_count
+from dora_jax.config_fields_lib import is_count
 from dora_jax.models import sharding_lib
 
 

@@ -7,14 +7,11 @@ split fails at start-up with the field's name, not hours later inside a jitted s
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
-from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
 
-from dora_jax.checks_lib import is_count
+from dora_jax.config_fields_lib import dataclass_section, is_count
 from dora_jax.train import advantage_lib, loss_lib
 
 SCHEDULES = ("constant", "cosine")
@@ -158,43 +155,6 @@ def config_section(**values: Any) -> ml_collections.ConfigDict:
     given here (`dataclass_section`)."""
     elsewhere = {f: "is set by the rollout config, not in config.train" for f in ROLLOUT_FIELDS}
     return dataclass_section(TrainConfig, "train", values, elsewhere)
-
-
-def dataclass_section(
-    cls: type, name: str, values: dict[str, Any], set_elsewhere: Mapping[str, str]
-) -> ml_collections.ConfigDict:
-    """A config file's section `name` for the config dataclass `cls`: every field a user may
-    set, at its default unless in `values`. ml_collections refuses a command-line override of
-    a key its config lacks (`--config.train.kl_coef=0.05` is an AttributeError then), so a
-    section that listed only the fields it changed left the others unreachable. Fields whose
-    default is None are typed placeholders, so that an override still parses as a number.
-    `set_elsewhere` maps each field the section must not hold to where it is set instead."""
-    hints = typing.get_type_hints(cls)
-    section = ml_collections.ConfigDict()
-    for field in dataclasses.fields(cls):
-        if field.name in set_elsewhere:
-            if field.name in values:
-                raise ValueError(f"{name} config field {field.name!r}: {set_elsewhere[field.name]}")
-            continue
-        value = values.pop(field.name, field.default)
-        if value is None:
-            (kind,) = [t for t in typing.get_args(hints[field.name]) if t is not types.NoneType]
-            value = ml_collections.config_dict.placeholder(kind)
-        section[field.name] = value
-    if values:
-        raise ValueError(f"{name} config: unknown field(s) {sorted(values)}")
-    return section
-
-
-def check_integer_fields(config: ml_collections.ConfigDict, minima: Mapping[str, int]) -> None:
-    """Raises a ValueError naming the first field (a dotted path into `config`) that is not an
-    integer of at least its minimum: the counts a run divides by or needs one of."""
-    for field, least in minima.items():
-        value = config
-        for part in field.split("."):
-            value = value[part]
-        if not is_count(value, least):
-            raise ValueError(f"{field}={value!r}: must be an integer >= {least}")
 
 
 def _fail(field: str, why: str) -> None:

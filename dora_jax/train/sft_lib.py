@@ -19,7 +19,6 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dora_jax.models import Functional, Transformer, sharding_lib
-from dora_jax.train.trainer_lib import row_sharding
 
 
 def pack_examples(
@@ -70,7 +69,7 @@ class SupervisedTrainer:
         return optax.apply_updates(params, updates), opt_state, loss
 
     def step(self, tokens: np.ndarray, mask: np.ndarray) -> float:
-        data = row_sharding(self._mesh, len(tokens))
+        data = sharding_lib.row_sharding(self._mesh, len(tokens))
         tokens, mask = jax.device_put((tokens, mask), data)
         self.params, self.opt_state, loss = self._step(self.params, self.opt_state, tokens, mask)
         return float(loss)

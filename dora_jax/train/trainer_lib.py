@@ -324,7 +324,9 @@ class Trainer:
         arrays, shardings = [], []
         for mb, extra in zip(mbs, extras, strict=True):
             arrays.append((mb.tokens, mb.positions, mb.targets, mb.mask, mb.behaviour_logp, *extra))
-            shardings.append((row_sharding(self.mesh, len(mb.rows)),) * len(arrays[-1]))
+            shardings.append(
+                (sharding_lib.row_sharding(self.mesh, len(mb.rows)),) * len(arrays[-1])
+            )
         return jax.device_put(arrays, shardings)
 
     def _inputs(
@@ -359,14 +361,6 @@ class Trainer:
                 train_logp = jnp.where(jnp.asarray(versions == v)[:, None], logp_v, train_logp)
             inputs["train_behaviour_logp"] = train_logp
         return inputs
-
-
-def row_sharding(mesh: Mesh, rows: int) -> NamedSharding:
-    """Batch rows split over `fsdp` when it divides them, else replicated: `runtime` allows any
-    fsdp (3 devices give fsdp=3), and JAX refuses to split rows unevenly. Replicated rows give
-    the same result, each device computing on the whole batch."""
-    spec = PartitionSpec("fsdp") if rows % mesh.shape["fsdp"] == 0 else PartitionSpec()
-    return NamedSharding(mesh, spec)
 
 
 # The jitted functions are module-level with the model's graph, the (frozen) config and the

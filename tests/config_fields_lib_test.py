@@ -8,10 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from ml_collections import ConfigDict
 
-from dora_jax.checks_lib import as_integer, is_count
+from dora_jax.config_fields_lib import as_integer, check_integer_fields, is_count
 from dora_jax.rollout.config_lib import RolloutConfig
 from dora_jax.runtime import cpu_cores_lib, cpu_flags_lib, devices_lib
-from dora_jax.train.config_lib import TrainConfig, check_integer_fields
+from dora_jax.train.config_lib import TrainConfig
 
 
 @given(st.integers(-(2**40), 2**40), st.integers(-5, 5))
