@@ -35,6 +35,7 @@ from dora_jax.runtime import cpu_cores_lib, hosts_lib
 from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
 from dora_jax.runtime.trainer_process_lib import TrainerProcess, TrainerSpec
 from dora_jax.train import Trainer
+from dora_jax.train.trainer_lib import TrainerLike
 
 REPORTED = ("trained_tokens_per_s", "rollout_time_s", "step_time_s", "bubble_fraction",
             "slot_occupancy")  # fmt: skip
@@ -118,9 +119,7 @@ def precompile_engines(engines: list[Engine], decode_steps: Iterable[int]) -> No
         jax.block_until_ready(engine.free_slot(state, 1))
 
 
-def precompile_trainer(
-    trainer: Trainer | TrainerProcess, config: ml_collections.ConfigDict
-) -> None:
+def precompile_trainer(trainer: TrainerLike, config: ml_collections.ConfigDict) -> None:
     """Compiles a training step per length bucket; the caller restores the trainer's state."""
     r, w = config.rollout, config.workload
     longest = w.prompt_length + w.max_length
@@ -183,7 +182,7 @@ def run_mode(
     config: ml_collections.ConfigDict,
     rollout_config: RolloutConfig,
     engines: list[Engine],
-    trainer: Trainer | TrainerProcess,
+    trainer: TrainerLike,
     workdir: str,
 ) -> dict[str, float]:
     """One measured run of one paradigm over the whole workload (`num_iterations` batches, the

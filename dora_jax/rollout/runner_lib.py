@@ -23,7 +23,7 @@ import concurrent.futures
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from dora_jax.rollout.trajectory_lib import Trajectory
 from dora_jax.rollout.window_lib import VersionWindow
 from dora_jax.runtime import transfer_lib
 from dora_jax.runtime.hosts_lib import RemoteTarget
+
+if TYPE_CHECKING:  # the rollout runs any trainer with this interface, in-process or not
+    from dora_jax.train.trainer_lib import TrainerLike
 
 # Batches handed to the trainer and not yet taken up as versions, at most: the one it trains
 # and the next, so that it never idles between steps while a complete batch waits. Safe for
@@ -61,7 +64,7 @@ class Rollout:
         self,
         config: RolloutConfig,
         engines: Sequence[Any],
-        trainer: Any,
+        trainer: TrainerLike,
         prompts: PromptSource,
         reward_fn: RewardFn,
         workdir: str,

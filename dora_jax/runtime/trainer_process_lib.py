@@ -21,7 +21,6 @@ import multiprocessing
 import os
 import pickle
 import threading
-import time
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -85,18 +84,11 @@ class TrainerProcess:
 
     def publish(self, target_shardings: Any | None = None) -> Any:
         # Imported here: the child imports this module before it may start JAX.
-        from dora_jax.runtime import transfer_lib
-        from dora_jax.train.trainer_lib import Published
+        from dora_jax.train.trainer_lib import publish_from_host
 
-        start = time.perf_counter()
-        params, version, metrics = self._call("publish")
-        if target_shardings is not None:
-            params = transfer_lib.put(params, target_shardings).tree
-        self._version = version
-        # The weight move's time is the whole trip: the child's copy, the pipe, the placing.
-        return Published(
-            params, version, {**metrics, "publish_seconds": time.perf_counter() - start}
-        )
+        published = publish_from_host(lambda: self._call("publish"), target_shardings)
+        self._version = published.version
+        return published
 
     def close(self) -> None:
         if self._process.is_alive():

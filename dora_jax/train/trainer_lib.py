@@ -21,8 +21,8 @@ from __future__ import annotations
 import functools
 import time
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,40 @@ class Published(NamedTuple):
     params: Any  # the new version's params, on the target shardings
     version: int
     metrics: dict[str, float]  # publish_seconds, publish_bytes
+
+
+class TrainerLike(Protocol):
+    """What the rollout and the app need of a trainer: a `Trainer` in this process, one in a
+    process of its own on cores of its own (`runtime.trainer_process_lib.TrainerProcess`), or
+    one mirrored on every process of a training group (`MirroredTrainer`)."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def params(self) -> Any: ...
+
+    @property
+    def state(self) -> dict[str, Any]: ...
+
+    def restore(self, state: dict[str, Any]) -> None: ...
+
+    def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]: ...
+
+    def publish(self, target_shardings: Any | None = None) -> Published: ...
+
+
+def publish_from_host(
+    publish: Callable[[], tuple[Any, int, dict[str, float]]], target_shardings: Any | None
+) -> Published:
+    """A version published by a trainer in another process, which hands back host arrays:
+    placed on `target_shardings` when given (else left on host), its `publish_seconds` the whole
+    trip (the other side's copy, the pipe, the placing)."""
+    start = time.perf_counter()
+    params, version, metrics = publish()
+    if target_shardings is not None:
+        params = transfer_lib.put(params, target_shardings).tree
+    return Published(params, version, {**metrics, "publish_seconds": time.perf_counter() - start})
 
 
 class _Reference(NamedTuple):
@@ -480,13 +514,4 @@ class MirroredTrainer:
 
     def publish(self, target_shardings: Any | None = None) -> Published:
         """As `Trainer.publish`; with `target_shardings` None the version stays on host."""
-        start = time.perf_counter()
-        published = self._trainer.call("publish")
-        params = published.params
-        if target_shardings is not None:
-            params = transfer_lib.put(params, target_shardings).tree
-        return Published(
-            params,
-            published.version,
-            {**published.metrics, "publish_seconds": time.perf_counter() - start},
-        )
+        return publish_from_host(lambda: self._trainer.call("publish"), target_shardings)
