@@ -33,11 +33,11 @@ PromptSource = Callable[[int], PromptSpec]  # prompt_id -> spec, deterministic
 # (prompt id, response tokens) of every sample finished in one turn -> their rewards, in order.
 # One call per turn, not per sample: a reward that waits on something (a sandbox running code,
 # a judge model) scores the turn's samples concurrently while the instances wait once.
-RewardFn = Callable[[Sequence[tuple[int, np.ndarray]]], Sequence[float]]
+TurnRewardFn = Callable[[Sequence[tuple[int, np.ndarray]]], Sequence[float]]
 
 
-def per_sample(fn: Callable[[int, np.ndarray], float]) -> RewardFn:
-    """The `RewardFn` that scores each sample with `fn(prompt_id, tokens)`, one after another."""
+def per_sample(fn: Callable[[int, np.ndarray], float]) -> TurnRewardFn:
+    """The `TurnRewardFn` scoring each sample with `fn(prompt_id, tokens)`, one after another."""
     return lambda batch: [fn(prompt_id, tokens) for prompt_id, tokens in batch]
 
 

@@ -32,7 +32,7 @@ from dora_jax.rollout import ledger_lib, paradigms_lib
 from dora_jax.rollout.config_lib import RolloutConfig
 from dora_jax.rollout.instance_lib import RolloutInstance
 from dora_jax.rollout.queue_lib import TrajectoryQueue
-from dora_jax.rollout.request_lib import PromptSource, Request, RewardFn
+from dora_jax.rollout.request_lib import PromptSource, Request, TurnRewardFn
 from dora_jax.rollout.telemetry_lib import TRAINER_TRACK, Telemetry
 from dora_jax.rollout.trajectory_lib import Trajectory
 from dora_jax.rollout.window_lib import VersionWindow
@@ -66,7 +66,7 @@ class Rollout:
         engines: Sequence[Any],
         trainer: TrainerLike,
         prompts: PromptSource,
-        reward_fn: RewardFn,
+        reward_fn: TurnRewardFn,
         workdir: str,
         on_iteration: Callable[[dict[str, float]], None] | None = None,
         checkpoint_every: int = 0,
