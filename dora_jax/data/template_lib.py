@@ -20,6 +20,8 @@ import jinja2.ext
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from dora_jax.data.tokenizer_lib import special_token
+
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -130,10 +132,7 @@ class ChatTemplate:
             )
         special = {}
         for name in _SPECIAL_TOKENS:
-            value = config.get(name)
-            if isinstance(value, dict):
-                value = value.get("content")
-            if isinstance(value, str):
+            if (value := special_token(config.get(name), name)) is not None:
                 special[name] = value
         return cls(source, special, system)
 

@@ -78,7 +78,7 @@ class Tokenizer:
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
-def _token_str(value: object, field: str) -> str | None:
+def special_token(value: object, field: str) -> str | None:
     """tokenizer_config.json stores special tokens as strings or serialised AddedToken dicts."""
     if value is None or isinstance(value, str):
         return value
@@ -100,10 +100,10 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         raise FileNotFoundError(f"no tokenizer.json in {directory}")
     config_file = directory / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    eos = _token_str(config.get("eos_token"), "eos_token")
+    eos = special_token(config.get("eos_token"), "eos_token")
     if eos is None:
         raise ValueError(f"{config_file}: eos_token is missing; the engine needs a stop token")
-    pad = _token_str(config.get("pad_token"), "pad_token")
+    pad = special_token(config.get("pad_token"), "pad_token")
     tok = tokenizers.Tokenizer.from_file(str(tok_file))
     return Tokenizer(tok, eos, pad, _generation_stop_ids(directory / "generation_config.json"))
 
