@@ -36,6 +36,18 @@ def is_count(value: Any, least: int) -> bool:
     return number is not None and number >= least
 
 
+def from_fields(cls: type, values: Any, section: str) -> Any:
+    """The config dataclass `cls` from a section's fields (a mapping or a ConfigDict); a field
+    `cls` lacks is an error naming `section` (a misspelled field must not fall back to its
+    default in silence). Lists become tuples: a config file writes a tuple field as a list."""
+    values = dict(values.to_dict() if hasattr(values, "to_dict") else values)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{section}: unknown field(s) {unknown}; known: {sorted(known)}")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
 def dataclass_section(
     cls: type, name: str, values: dict[str, Any], set_elsewhere: Mapping[str, str]
 ) -> ml_collections.ConfigDict:

@@ -7,7 +7,7 @@ from typing import Any
 
 import ml_collections
 
-from dora_jax.config_fields_lib import dataclass_section, is_count
+from dora_jax.config_fields_lib import dataclass_section, from_fields, is_count
 from dora_jax.train.config_lib import TrainConfig
 
 # Set once for the whole run, as the config's top-level `seed`.
@@ -71,11 +71,7 @@ class RolloutConfig:
     @classmethod
     def from_dict(cls, d: Any) -> RolloutConfig:
         """From `config.rollout` (a dict or ConfigDict); unknown keys are an error."""
-        d = dict(d)
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"rollout: unknown fields {sorted(unknown)}")
-        return cls(**d)
+        return from_fields(cls, d, "rollout")
 
     @property
     def groups_per_batch(self) -> int:
@@ -101,7 +97,7 @@ def train_config(rollout: RolloutConfig, train: Any) -> TrainConfig:
     for shared in ("tbs", "group_size"):
         if shared in fields:
             raise ValueError(f"train.{shared}: set it once, as rollout.train_batch_size/group_size")
-    return TrainConfig.from_config(
+    return TrainConfig.from_dict(
         {
             **fields,
             "tbs": rollout.train_batch_size,

@@ -11,7 +11,7 @@ from typing import Any
 
 import ml_collections
 
-from dora_jax.config_fields_lib import dataclass_section, is_count
+from dora_jax.config_fields_lib import dataclass_section, from_fields, is_count
 from dora_jax.train import advantage_lib, loss_lib
 
 SCHEDULES = ("constant", "cosine")
@@ -134,16 +134,9 @@ class TrainConfig:
         return self.micro_batch_size or self.mini_batch_size
 
     @classmethod
-    def from_config(cls, config: Any) -> TrainConfig:
-        """Builds from an `ml_collections.ConfigDict` (or a mapping); unknown keys are errors."""
-        values = dict(config.to_dict() if hasattr(config, "to_dict") else config)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"train config: unknown field(s) {unknown}; known: {sorted(known)}")
-        if "length_buckets" in values:
-            values["length_buckets"] = tuple(values["length_buckets"])
-        return cls(**values)
+    def from_dict(cls, d: Any) -> TrainConfig:
+        """From `config.train` (a dict or ConfigDict); unknown keys are an error."""
+        return from_fields(cls, d, "train config")
 
 
 # Set from the rollout config (`rollout.config_lib.train_config`), never in `config.train`.

@@ -145,7 +145,7 @@ def test_bench_reports_every_mode_on_identical_work(tmp_path):
         ("sync,dora@none", {}, "'dora@none' names no entry of config.variants"),
         ("dora@big", {"train_batch_size": 16}, "variants.big.train_batch_size: a variant cannot"),
         ("dora@big", {"staleness_bound": -1}, "'dora@big': rollout.staleness_bound=-1"),
-        ("dora@big", {"rollout_batchsize": 32}, r"'dora@big': rollout: unknown fields"),
+        ("dora@big", {"rollout_batchsize": 32}, r"'dora@big': rollout: unknown field"),
     ],
 )
 def test_a_bad_variant_fails_before_anything_runs_naming_it(modes, variant, message):

@@ -15,10 +15,10 @@ def test_from_config_dict():
     cfg = ml_collections.ConfigDict(
         {"tbs": 8, "group_size": 4, "loss": "triplet", "length_buckets": [16, 64]}
     )
-    config = TrainConfig.from_config(cfg)
+    config = TrainConfig.from_dict(cfg)
     assert (config.tbs, config.loss, config.length_buckets) == (8, "triplet", (16, 64))
     with pytest.raises(ValueError, match="unknown field.*'tbz'"):
-        TrainConfig.from_config(ml_collections.ConfigDict({"tbz": 8}))
+        TrainConfig.from_dict(ml_collections.ConfigDict({"tbz": 8}))
 
 
 @pytest.mark.parametrize(
