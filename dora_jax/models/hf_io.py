@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from safetensors.flax import save_file
+from safetensors.numpy import save_file
 
 from dora_jax.models import model_lib, sharding_lib
 from dora_jax.models.config_lib import ModelConfig
@@ -270,14 +270,16 @@ def save_pretrained(
             os.remove(os.path.join(path, name))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    shards: list[dict[str, jax.Array]] = [{}]
+    shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, value in _export_tensors(model):
-        array = jnp.asarray(jax.device_get(value))
+        # Gathered into host memory, tensor by tensor, never whole onto one device (the mirror
+        # of `from_pretrained`); numpy writes bfloat16 through ml_dtypes, which jax imports.
+        array = np.ascontiguousarray(jax.device_get(value))
         if shards[-1] and size + array.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = jnp.array(array)  # contiguous copy: safetensors needs it
+        shards[-1][name] = array
         size += array.nbytes
     if len(shards) == 1:
         save_file(shards[0], os.path.join(path, _SINGLE), metadata={"format": "pt"})

@@ -14,8 +14,9 @@ import torch
 from flax import nnx
 from hf_fixtures import make_hf_model
 from jax._src.lib import xla_client
+from safetensors import safe_open
 
-from dora_jax.models import SUPPORTED_ARCHITECTURES, from_pretrained, sharding_lib
+from dora_jax.models import SUPPORTED_ARCHITECTURES, from_pretrained, save_pretrained, sharding_lib
 
 TOL = 1e-4
 
@@ -122,3 +123,33 @@ def test_no_device_receives_more_than_its_shard(tmp_path, monkeypatch):
     assert collections.Counter((shape, s) for shape, s, _ in copies) == expected
     for shape, sharding, pieces in copies:
         assert pieces == [sharding.shard_shape(shape)] * len(pieces), (shape, sharding)
+
+
+def test_export_sends_nothing_back_to_a_device(tmp_path, monkeypatch):
+    """The mirror of the load: `save_pretrained` gathers each tensor into host memory and
+    writes it from there. It used to put each one whole onto the default device again (twice:
+    `jnp.asarray`, then a contiguous `jnp.array` copy), which a model larger than one device
+    cannot survive. The spy is the load test's: every host-to-device copy passes it."""
+    make_hf_model("Qwen3MoeForCausalLM", str(tmp_path / "source"), seed=15)
+    model = from_pretrained(str(tmp_path / "source"), mesh=_mesh())
+    copies = []
+    put = xla_client.batched_device_put
+
+    def spy(aval, sharding, pieces, devices, *args, **kwargs):
+        copies.append((tuple(aval.shape), sharding))
+        return put(aval, sharding, pieces, devices, *args, **kwargs)
+
+    jax.clear_caches()
+    monkeypatch.setattr(xla_client, "batched_device_put", spy)
+    save_pretrained(model, str(tmp_path / "export"))
+    monkeypatch.undo()
+    whole = [(shape, s) for shape, s in copies if len(shape) >= 2]  # a weight, not an index
+    assert not whole, whole[:3]
+    with (
+        safe_open(str(tmp_path / "export" / "model.safetensors"), "np") as exported,
+        safe_open(str(tmp_path / "source" / "model.safetensors"), "np") as source,
+    ):
+        names = sorted(source.keys())
+        assert sorted(exported.keys()) == names
+        for name in names:
+            np.testing.assert_array_equal(exported.get_tensor(name), source.get_tensor(name))
