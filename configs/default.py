@@ -87,6 +87,9 @@ def get_config() -> ml_collections.ConfigDict:
     # "process": each call in a worker process, killed past the timeout even when stuck in C
     # code; "thread" for a reward function that does not pickle (its hung calls are abandoned).
     c.reward.isolation = "process"
+    # Calls at once (worker processes or threads): more for a reward that waits on something
+    # (a sandbox running code, a judge model), at a process each.
+    c.reward.workers = 4
     # DAPO's soft overlong punishment: a penalty growing linearly to -overlong_penalty over the
     # last overlong_buffer tokens before engine.max_decode_length (0 = off).
     c.reward.overlong_buffer = 0

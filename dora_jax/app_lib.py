@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from dora_jax import models
-from dora_jax.config_fields_lib import check_integer_fields
+from dora_jax.config_fields_lib import check_integer_fields, check_timeout
 from dora_jax.data import (
     BAD_ROW_MODES,
     LongTailTask,
@@ -103,7 +103,15 @@ _SECTION_FIELDS: dict[str, frozenset[str]] = {
     ),
     "task": frozenset({*(f.name for f in dataclasses.fields(LongTailTask)), "demonstration_noise"}),
     "reward": frozenset(
-        {"name", "options", "timeout_s", "isolation", "overlong_buffer", "overlong_penalty"}
+        {
+            "name",
+            "options",
+            "timeout_s",
+            "isolation",
+            "workers",
+            "overlong_buffer",
+            "overlong_penalty",
+        }
     ),
     "engine": frozenset({"slots", "max_decode_length", "temperature", "top_k", "top_p"}),
     "sft": frozenset({"steps", "batch_size", "learning_rate"}),
@@ -162,7 +170,7 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
     runtime = config.runtime.to_dict()
     hosts = _generation_hosts(runtime.pop("generation_hosts", ""), runtime["num_instances"])
     runtime.pop("coordinator", "")
-    _named("runtime.host_", lambda: hosts_lib.check_timeout(runtime.pop("host_timeout_s")))
+    _named("runtime.host_", lambda: check_timeout(runtime.pop("host_timeout_s")))
     group = runtime.pop("training_hosts", "")
     if group:
         _check_training_group(group, hosts, runtime["train_devices"])
@@ -348,7 +356,10 @@ def reward_runner(config: ml_collections.ConfigDict) -> RewardRunner:
     """The task's reward under the runner's timeout, in worker processes (`reward.isolation`)."""
     r = config.reward
     fn = get_reward(r.name, **r.options.to_dict())  # its errors name reward.name / .options
-    return _named("reward.", lambda: RewardRunner(fn, timeout_s=r.timeout_s, isolation=r.isolation))
+    return _named(
+        "reward.",
+        lambda: RewardRunner(fn, timeout_s=r.timeout_s, workers=r.workers, isolation=r.isolation),
+    )
 
 
 class RewardAdapter:

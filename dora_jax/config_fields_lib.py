@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import threading
 import types
 import typing
 from collections.abc import Mapping
@@ -46,6 +47,16 @@ def from_fields(cls: type, values: Any, section: str) -> Any:
     if unknown:
         raise ValueError(f"{section}: unknown field(s) {unknown}; known: {sorted(known)}")
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
+def check_timeout(timeout_s: float) -> float:
+    """`timeout_s` if it can bound a wait: NaN would compare false (every wait times out) and
+    Thread.join refuses waits past TIMEOUT_MAX, long after start."""
+    if not 0 < timeout_s <= threading.TIMEOUT_MAX:
+        raise ValueError(
+            f"timeout_s={timeout_s}: must be in (0, {threading.TIMEOUT_MAX:g}] seconds"
+        )
+    return timeout_s
 
 
 def dataclass_section(

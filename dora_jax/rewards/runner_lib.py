@@ -1,7 +1,7 @@
 """Scoring samples without letting one bad reward function stop the run.
 
 A reward is user code (or math-verify on adversarial model output): it can raise, return
-garbage, or hang. `RewardRunner` runs up to `max_workers` calls at once, each under a
+garbage, or hang. `RewardRunner` runs up to `workers` calls at once, each under a
 wall-clock timeout. A call that raises, returns something that is not a finite number, runs past
 the timeout or kills its worker scores 0, is counted, and is logged with the sample id; the run
 goes on.
@@ -37,6 +37,7 @@ import weakref
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
+from dora_jax.config_fields_lib import check_timeout, is_count
 from dora_jax.rewards.registry_lib import RewardFn
 
 _log = logging.getLogger(__name__)
@@ -74,23 +75,18 @@ def _call(fn: RewardFn, completion: str, answer: str) -> _Outcome:
 
 
 class RewardRunner:
-    """Scores `(sample_id, completion, answer)` items with `fn`, `max_workers` calls at a time."""
+    """Scores `(sample_id, completion, answer)` items with `fn`, `workers` calls at a time."""
 
     def __init__(
         self,
         fn: RewardFn,
         timeout_s: float = 10.0,
-        max_workers: int = 4,
+        workers: int = 4,
         isolation: str = "process",
     ):
-        # Thread.join refuses waits past TIMEOUT_MAX (OverflowError at the first score, long
-        # after start), and NaN compares false everywhere, so every call would time out.
-        if not 0 < timeout_s <= threading.TIMEOUT_MAX:
-            raise ValueError(
-                f"timeout_s={timeout_s}: must be in (0, {threading.TIMEOUT_MAX:g}] seconds"
-            )
-        if max_workers < 1:
-            raise ValueError(f"max_workers={max_workers}: must be >= 1")
+        check_timeout(timeout_s)
+        if not is_count(workers, 1):
+            raise ValueError(f"workers={workers!r}: must be an integer >= 1")
         if isolation not in ISOLATIONS:
             raise ValueError(f"isolation={isolation!r}: must be one of {ISOLATIONS}")
         self._pickled = b""  # what each worker process loads
@@ -102,7 +98,7 @@ class RewardRunner:
                     f"isolation='process' sends the reward to worker processes, and it does not "
                     f"pickle ({e}); define it at module level, or use isolation='thread'"
                 ) from e
-        self._fn, self._timeout_s, self._max_workers = fn, timeout_s, max_workers
+        self._fn, self._timeout_s, self._num_workers = fn, timeout_s, workers
         self._isolation = isolation
         self._workers: list[_Worker] = []  # started on the first score
         # Workers die with the thread that started them (`_die_with`), so one thread that lives
@@ -140,7 +136,7 @@ class RewardRunner:
         """Each item goes to the next idle worker; a worker past its item's deadline is killed
         and replaced, one that dies is replaced. None marks a timeout."""
         if not self._workers:
-            self._workers.extend(self._start_worker() for _ in range(self._max_workers))
+            self._workers.extend(self._start_worker() for _ in range(self._num_workers))
         outcomes: list[_Outcome | None] = [None] * len(items)
         waiting = collections.deque(range(len(items)))
         busy: dict[int, tuple[int, float]] = {}  # worker index -> (its item, the item's deadline)
@@ -181,8 +177,8 @@ class RewardRunner:
 
     def _in_threads(self, items: Sequence[tuple[Hashable, str, str]]) -> list[_Outcome | None]:
         outcomes: list[_Outcome | None] = []
-        for start in range(0, len(items), self._max_workers):
-            outcomes.extend(self._thread_chunk(items[start : start + self._max_workers]))
+        for start in range(0, len(items), self._num_workers):
+            outcomes.extend(self._thread_chunk(items[start : start + self._num_workers]))
         return outcomes
 
     def _thread_chunk(self, items: Sequence[tuple[Hashable, str, str]]) -> list[_Outcome | None]:

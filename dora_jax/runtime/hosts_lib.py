@@ -31,6 +31,8 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from dora_jax.config_fields_lib import check_timeout
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
@@ -56,16 +58,6 @@ ANSWER_TIMEOUT_S = 1800.0
 # migrated slot) block until the host reads them, so they are written by a thread that the
 # controller waits for with the timeout.
 _INLINE_SEND_BYTES = 64 * 1024
-
-
-def check_timeout(timeout_s: float) -> float:
-    """`timeout_s` if it can bound a wait: NaN would compare false (every wait times out) and
-    Thread.join refuses waits past TIMEOUT_MAX, long after start."""
-    if not 0 < timeout_s <= threading.TIMEOUT_MAX:
-        raise ValueError(
-            f"timeout_s={timeout_s}: must be in (0, {threading.TIMEOUT_MAX:g}] seconds"
-        )
-    return timeout_s
 
 
 class HostError(RuntimeError):

@@ -1,5 +1,7 @@
 """User rewards loaded by dotted path (`app_rewards:NAME`) in the app tests."""
 
+import threading
+
 
 def flaky_exact_match(completion: str, answer: str) -> float:
     """Exact match that raises on answers starting with "1": the runner must count those."""
@@ -13,3 +15,12 @@ def even_length(completion: str, answer: str) -> float:
     step, so every RL update moves the policy without a warm-up."""
     del answer
     return float(len(completion) % 2 == 0)
+
+
+MEETING = threading.Barrier(6)
+
+
+def meets_five_others(completion: str, answer: str) -> float:
+    """1 once six calls are in flight together; with fewer workers the barrier breaks."""
+    MEETING.wait(timeout=10)
+    return 1.0

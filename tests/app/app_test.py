@@ -45,6 +45,7 @@ _TINY_MODEL = models.ModelConfig(vocab_size=16, hidden_size=16, intermediate_siz
         ("reward", "timeout_s", float("inf"), "reward.timeout_s"),
         ("reward", "timeout_s", float("nan"), "reward.timeout_s"),
         ("reward", "isolation", "fork", "reward.isolation='fork'"),
+        ("reward", "workers", 0, "reward.workers"),
         ("model", "dtype", "float8", "model.dtype"),
         ("data", "source", "s3", "data.source"),
         ("engine", "slots", 0, "engine.slots"),
@@ -200,6 +201,16 @@ def test_reward_options_from_the_config_are_bound_to_the_reward():
         app_lib.validate(config)
 
 
+def test_reward_workers_from_the_config_score_side_by_side():
+    """`reward.workers` calls run at once: six meet at a barrier of six (four, the default,
+    would break it and score errors)."""
+    config = default.get_config()
+    config.reward.update(name="app_rewards:meets_five_others", isolation="thread", workers=6)
+    runner = app_lib.reward_runner(config)
+    assert runner.score([(i, "y", "x") for i in range(6)]) == [1.0] * 6
+    assert runner.counters.errors == 0
+
+
 def test_a_prompts_record_is_dropped_once_its_group_is_scored():
     records = iter([{"prompt_tokens": [i], "answer": str(i)} for i in range(3)])
     prompts = app_lib.PromptStream(records, group_size=2, max_new_tokens=4)
@@ -222,7 +233,7 @@ def test_a_turns_samples_are_scored_concurrently():
 
     prompts = app_lib.PromptStream(iter([{"prompt_tokens": [1], "answer": "x"}]), 4, 8)
     prompts(0)
-    runner = app_lib.RewardRunner(meet, timeout_s=20.0, max_workers=4, isolation="thread")
+    runner = app_lib.RewardRunner(meet, timeout_s=20.0, workers=4, isolation="thread")
     tokenizer = types.SimpleNamespace(decode=lambda ids: "y")
     overlong = app_lib.validate(default.get_config()).overlong
     reward = app_lib.RewardAdapter(runner, tokenizer, prompts, overlong)

@@ -42,7 +42,7 @@ def test_failures_and_timeouts_score_zero_are_counted_and_logged(caplog, isolati
              ("ok-4", "b", "a"), ("nan-5", "nan", "a"), ("text-6", "text", "a"),
              ("hang-7", "hang", "a"), ("ok-8", "c", "c")]  # fmt: skip
     RELEASE.clear()
-    runner = RewardRunner(flaky, timeout_s=0.3, max_workers=4, isolation=isolation)
+    runner = RewardRunner(flaky, timeout_s=0.3, workers=4, isolation=isolation)
     runner.score([("warm-up", "a", "a")] * 4)  # worker processes start on the first score
     runner.counters = RewardCounters()
     start = time.monotonic()
@@ -69,7 +69,7 @@ _RUNNERS: dict[int, RewardRunner] = {}
                 max_size=12), st.integers(1, 5))  # fmt: skip
 def test_scores_keep_input_order_and_equal_direct_calls(pairs, workers):
     if workers not in _RUNNERS:  # worker processes start once, not once per example
-        _RUNNERS[workers] = RewardRunner(get_reward("exact_match"), 5.0, max_workers=workers)
+        _RUNNERS[workers] = RewardRunner(get_reward("exact_match"), 5.0, workers=workers)
     runner = _RUNNERS[workers]
     runner.counters = RewardCounters()
     items = [(i, c, a) for i, (c, a) in enumerate(pairs)]
@@ -126,8 +126,8 @@ def test_invalid_settings_name_the_field():
     for timeout_s in (0.0, -1.0, math.inf, math.nan, threading.TIMEOUT_MAX * 2):
         with pytest.raises(ValueError, match="timeout_s"):
             RewardRunner(flaky, timeout_s=timeout_s)
-    with pytest.raises(ValueError, match="max_workers"):
-        RewardRunner(flaky, max_workers=0)
+    with pytest.raises(ValueError, match="workers=0"):
+        RewardRunner(flaky, workers=0)
 
 
 def test_a_call_holding_the_gil_is_stopped_and_its_worker_replaced():
@@ -137,7 +137,7 @@ def test_a_call_holding_the_gil_is_stopped_and_its_worker_replaced():
     script = (
         "from reward_helpers import backtracks\n"
         "from dora_jax.rewards import RewardRunner\n"
-        "runner = RewardRunner(backtracks, timeout_s=1.0, max_workers=2)\n"
+        "runner = RewardRunner(backtracks, timeout_s=1.0, workers=2)\n"
         "items = [(0, 'a' * 64 + 'b', ''), (1, 'aaa', ''), (2, 'a' * 64 + 'b', ''), (3, 'a', '')]\n"
         "print(runner.score(items), runner.counters.timeouts)\n"
         "print(runner.score([(4, 'aa', '')]), runner.counters.timeouts)"
@@ -150,7 +150,7 @@ def test_a_call_holding_the_gil_is_stopped_and_its_worker_replaced():
 
 
 def test_a_worker_that_dies_scores_zero_and_is_replaced(caplog):
-    runner = RewardRunner(reward_helpers.exits_on_exit, timeout_s=30.0, max_workers=2)
+    runner = RewardRunner(reward_helpers.exits_on_exit, timeout_s=30.0, workers=2)
     items = [(0, "exit", ""), (1, "x", ""), (2, "exit", ""), (3, "y", ""), (4, "z", "")]
     with caplog.at_level(logging.WARNING):
         assert runner.score(items) == [0.0, 1.0, 0.0, 1.0, 1.0]
@@ -173,7 +173,7 @@ def test_a_script_without_a_main_guard_scores_once(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
         "from dora_jax.rewards import RewardRunner, get_reward\n"
-        "runner = RewardRunner(get_reward('exact_match'), timeout_s=30.0, max_workers=2)\n"
+        "runner = RewardRunner(get_reward('exact_match'), timeout_s=30.0, workers=2)\n"
         "print(runner.score([(0, 'a', 'a'), (1, 'b', 'a')]))\n"
     )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
@@ -198,7 +198,7 @@ def test_workers_die_with_a_killed_controller():
         "import sys, threading, time\n"
         "from reward_helpers import spins\n"
         "from dora_jax.rewards import RewardRunner\n"
-        "runner = RewardRunner(spins, timeout_s=600.0, max_workers=2)\n"
+        "runner = RewardRunner(spins, timeout_s=600.0, workers=2)\n"
         "items = [(0, 'a', ''), (1, 'b', '')]\n"
         "threading.Thread(target=runner.score, args=(items,), daemon=True).start()\n"
         "while len(runner._workers) < 2 or not all(w.ready for w in runner._workers):\n"
@@ -228,7 +228,7 @@ def test_workers_die_with_a_killed_controller():
 def test_workers_outlive_the_thread_that_first_scored():
     """Workers die with the thread that started them, so a runner first used from a thread
     that has since ended must not lose them (they score, they are not replaced)."""
-    runner = RewardRunner(reward_helpers.length_reward, timeout_s=30.0, max_workers=2)
+    runner = RewardRunner(reward_helpers.length_reward, timeout_s=30.0, workers=2)
     first = threading.Thread(target=runner.score, args=([(0, "ab", "")],))
     first.start()
     first.join()
