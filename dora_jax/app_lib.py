@@ -816,7 +816,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
 # saved run as another one, from a ledger cut back to the checkpoint.
 _RESUMABLE_CHANGES = (
     "compilation_cache_dir", "num_cpu_devices", "rollout.num_iterations", "runtime.", "eval.",
-    "checkpoint.", "sft.", "engine.slots", "reward.isolation",
+    "checkpoint.", "sft.", "engine.slots", "reward.isolation", "reward.workers",
 )  # fmt: skip
 
 

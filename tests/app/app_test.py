@@ -114,7 +114,8 @@ def test_resuming_under_another_config_is_refused_before_the_ledger_is_cut(tmp_p
         app_lib.train_and_evaluate(config, str(tmp_path), progress=False)
     assert ledger.read_text() == '{"event": "start"}\n{"event": "dispatch"}\n'
     config.rollout.group_size = 8
-    app_lib.check_same_run(meta["config"], config, str(tmp_path))  # only num_iterations moved
+    config.reward.update(isolation="thread", workers=8)  # how rewards run, not what they score
+    app_lib.check_same_run(meta["config"], config, str(tmp_path))  # nothing that defines it
     config.model.hidden_size = 32  # evaluation checks the model's fields only
     app_lib.check_same_run(meta["config"], config, str(tmp_path), prefixes=("data.",))
     with pytest.raises(ValueError, match=r"model\.hidden_size: 64 -> 32"):
