@@ -27,6 +27,7 @@ import multiprocessing.connection
 import numbers
 import os
 import pickle
+import queue
 import signal
 import socket
 import subprocess
@@ -34,7 +35,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from dora_jax.config_fields_lib import check_timeout, is_count
@@ -101,11 +102,9 @@ class RewardRunner:
         self._fn, self._timeout_s, self._num_workers = fn, timeout_s, workers
         self._isolation = isolation
         self._workers: list[_Worker] = []  # started on the first score
-        # Workers die with the thread that started them (`_die_with`), so one thread that lives
-        # as long as the runner starts them all, whichever thread scores.
-        self._starter = concurrent.futures.ThreadPoolExecutor(1, "reward-worker-starter")
+        self._starter = _Starter()
         # A runner dropped without `close` (a run that raised) still stops its workers.
-        weakref.finalize(self, _stop_all, self._workers)
+        weakref.finalize(self, _stop_all, self._workers, self._starter)
         self.counters = RewardCounters()
 
     def metrics(self) -> dict[str, int]:
@@ -144,8 +143,12 @@ class RewardRunner:
             for w, worker in enumerate(self._workers):
                 if waiting and worker.ready and w not in busy:
                     i = waiting.popleft()
-                    worker.send(items[i][1:])
-                    busy[w] = (i, time.monotonic() + self._timeout_s)
+                    if worker.send(items[i][1:]):
+                        busy[w] = (i, time.monotonic() + self._timeout_s)
+                    else:  # it died idle, since its last item: its replacement takes this one
+                        waiting.appendleft(i)
+                        worker.stop()
+                        self._workers[w] = self._start_worker()
             starts = [worker.deadline for worker in self._workers if not worker.ready]
             until = min([due for _, due in busy.values()] + starts)
             connections = [worker.connection for worker in self._workers]
@@ -171,7 +174,7 @@ class RewardRunner:
         return outcomes
 
     def _start_worker(self) -> _Worker:
-        return self._starter.submit(_Worker, self._pickled).result()
+        return self._starter.run(_Worker, self._pickled)
 
     # -- threads ----------------------------------------------------------------------------
 
@@ -246,8 +249,13 @@ class _Worker:
         self.deadline = time.monotonic() + _START_TIMEOUT_S  # until ready; then the items'
         self._error = ""
 
-    def send(self, message: Any) -> None:
-        self.connection.send(message)
+    def send(self, message: Any) -> bool:
+        """Whether `message` went out: False once the process is gone (killed while idle)."""
+        try:
+            self.connection.send(message)
+        except OSError:
+            return False
+        return True
 
     def poll(self) -> Any:
         """The next message if one is there (marking the worker ready on its first), else None."""
@@ -279,10 +287,49 @@ class _Worker:
         self.connection.close()
 
 
-def _stop_all(workers: list[_Worker]) -> None:
+def _stop_all(workers: list[_Worker], starter: _Starter | None = None) -> None:
     for worker in workers:
         worker.stop()
     workers.clear()
+    if starter is not None:
+        starter.stop()
+
+
+class _Starter:
+    """The thread that starts a runner's worker processes. A worker dies with the thread that
+    started it (`_die_with`), so one thread that lives as long as the runner starts them all,
+    whichever thread scores. A daemon thread of its own: a ThreadPoolExecutor's is stopped
+    when the main thread ends, which took the workers of a runner that another thread was
+    still using down with it."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None  # started with the first worker
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the starter thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=_serve_jobs, args=(self._jobs,), daemon=True, name="reward-worker-starter"
+            )
+            self._thread.start()
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((done, fn, args))
+        return done.result()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
+
+
+def _serve_jobs(jobs: queue.SimpleQueue[Any]) -> None:
+    while (job := jobs.get()) is not None:
+        done, fn, args = job
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            done.set_exception(e)
 
 
 def serve_worker(fd: int, runner_pid: int) -> None:

@@ -238,3 +238,37 @@ def test_workers_outlive_the_thread_that_first_scored():
     assert [w.process.pid for w in runner._workers] == pids and all(map(_alive, pids))
     assert runner.counters.errors == 0
     runner.close()
+
+
+def test_workers_outlive_a_main_thread_that_ends_while_another_thread_scores():
+    """A ThreadPoolExecutor started the workers at first: its thread stops when the main
+    thread ends, and took the workers of a runner still scoring on another thread with it."""
+    script = (
+        "import threading, time\n"
+        "from dora_jax.rewards import RewardRunner, get_reward\n"
+        "def work():\n"
+        "    runner = RewardRunner(get_reward('exact_match'), timeout_s=30.0, workers=2)\n"
+        "    for turn in range(3):\n"
+        "        print(runner.score([(i, '4', '4') for i in range(4)]), flush=True)\n"
+        "        time.sleep(1.0)\n"
+        "    runner.close()\n"
+        "threading.Thread(target=work).start()\n"
+        "time.sleep(1.5)\n"  # the main thread ends here, between the turns
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+    assert done.stdout.splitlines() == ["[1.0, 1.0, 1.0, 1.0]"] * 3
+
+
+def test_a_worker_that_died_idle_is_replaced_and_its_item_scored():
+    """A worker killed between scores (the OOM killer, say) used to make the next score raise
+    BrokenPipeError, which ended the run; its item goes to a replacement now, no error."""
+    runner = RewardRunner(reward_helpers.length_reward, timeout_s=30.0, workers=2)
+    assert runner.score([(0, "ab", ""), (1, "abc", "")]) == [2.0, 3.0]
+    while not all(w.ready for w in runner._workers):
+        runner.score([(2, "a", "")])
+    os.kill(runner._workers[0].process.pid, signal.SIGKILL)
+    runner._workers[0].process.wait()
+    assert runner.score([(3, "abcd", ""), (4, "a", "")]) == [4.0, 1.0]
+    assert runner.counters.errors == 0
+    runner.close()
