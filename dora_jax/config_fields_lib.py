@@ -2,10 +2,11 @@
 
 A config file's sections list every field a user may set (`dataclass_section`), so any can be
 overridden from the command line. A count has one definition for every config field and
-constructor argument: a bool is not one (`True` would pass as 1 and hide a misplaced flag),
-nor is a float even when whole (`2.0` slots or `1.5` iterations is a typo, where `int()` would
-quietly round); NumPy integers are (configs computed with NumPy). Each caller words its own
-error, naming the field as its user wrote it.
+constructor argument: a Python int. A bool is not one (`True` would pass as 1 and hide a
+misplaced flag), nor is a float even when whole (`2.0` slots or `1.5` iterations is a typo,
+where `int()` would quietly round), nor a NumPy integer: a config holding one passes every
+check and then cannot be written as JSON (the ledger, the checkpoint), after the model has
+loaded. Each caller words its own error, naming the field as its user wrote it.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ def as_integer(value: Any) -> int | None:
 
 
 def is_count(value: Any, least: int) -> bool:
-    """Whether `value` is an integer (`as_integer`) of at least `least`."""
-    number = as_integer(value)
-    return number is not None and number >= least
+    """Whether `value` is a Python int (not a bool) of at least `least`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def from_fields(cls: type, values: Any, section: str) -> Any:
