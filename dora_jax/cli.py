@@ -115,15 +115,14 @@ COMMANDS = {"train": _train, "eval": _eval, "audit": _audit, "bench": _bench, "h
 
 def run() -> None:
     """Console-script entry point: the first argument names the command."""
-    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        sys.exit(f"usage: dora-jax {{{'|'.join(COMMANDS)}}} [--config=configs/default.py] ...")
-    command = sys.argv.pop(1)
     if any(a in ("-h", "--help", "--helpshort") for a in sys.argv[1:]):
         # absl's own help lists the flags of `__main__`, the console script, which has none.
         print(__doc__)
         print(flags.FLAGS.module_help(sys.modules[__name__]))
         sys.exit(0)
-    app.run(COMMANDS[command])
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        sys.exit(f"usage: dora-jax {{{'|'.join(COMMANDS)}}} [--config=configs/default.py] ...")
+    app.run(COMMANDS[sys.argv.pop(1)])
 
 
 if __name__ == "__main__":

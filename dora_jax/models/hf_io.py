@@ -5,9 +5,10 @@ The mapping between our parameter paths and Hugging Face tensor names is one tab
 expected tensor must be found with its exact shape: a partial load raises an error naming the
 file and the tensor instead of silently keeping random weights.
 
-Import never puts a whole tensor on one accelerator: each tensor is read, converted and laid out
-(transposed, experts stacked) in host memory, then placed straight onto its sharding, so every
-device receives only its own shard and a model larger than one chip loads onto a mesh of them.
+Given a mesh, import never puts a whole tensor on one accelerator: each tensor is read, converted
+and laid out (transposed, experts stacked) in host memory, then placed straight onto its
+sharding, so every device receives only its own shard and a model larger than one chip loads
+onto a mesh of them. Export gathers each tensor into host memory and writes it from there.
 """
 
 from __future__ import annotations

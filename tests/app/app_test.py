@@ -272,9 +272,10 @@ def test_cli_help_lists_its_flags_and_host_flags_are_refused_elsewhere():
     """`--help` listed nothing (absl shows the flags of `__main__`, the console script), and
     `train --num_cpu_devices=2` ran on the config's 8 devices without a word."""
     command = [sys.executable, "-m", "dora_jax.cli"]
-    shown = subprocess.run(command + ["train", "--help"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=120)  # fmt: skip
-    assert shown.returncode == 0 and "--workdir" in shown.stdout and "--config" in shown.stdout
+    for asked in (["train", "--help"], ["--help"]):
+        shown = subprocess.run(command + asked, cwd=ROOT, capture_output=True, text=True,
+                               timeout=120)  # fmt: skip
+        assert shown.returncode == 0 and "--workdir" in shown.stdout and "--config" in shown.stdout
     refused = subprocess.run(
         command + ["eval", "--config=configs/default.py", "--num_cpu_devices=2"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
