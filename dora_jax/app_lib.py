@@ -118,6 +118,9 @@ _SECTION_FIELDS: dict[str, frozenset[str]] = {
     "eval": frozenset({"num_prompts", "samples_per_prompt"}),
     "checkpoint": frozenset({"every", "keep"}),
 }
+# Sections the app reads field by field, so each must be there (`model` and `task` fields take
+# their dataclasses' defaults when absent).
+_COMPLETE_SECTIONS = ("runtime", "data", "reward", "engine", "sft", "eval", "checkpoint")
 _TOP_LEVEL_FIELDS = frozenset(
     {"seed", "num_cpu_devices", "compilation_cache_dir", "rollout", "train", *_SECTION_FIELDS}
 )
@@ -188,6 +191,16 @@ def _check_field_names(config: ml_collections.ConfigDict) -> None:
         unknown += sorted(f"{section}.{f}" for f in set(config.get(section, {})) - known)
     if unknown:
         raise ValueError(f"unknown config field(s) {unknown}: misspelled, or not a dora_jax field")
+    missing = sorted(
+        f"{section}.{f}"
+        for section in _COMPLETE_SECTIONS
+        for f in _SECTION_FIELDS[section] - set(config.get(section, {}))
+    )
+    if missing:
+        raise ValueError(
+            f"config lacks field(s) {missing}: a config file written for an older dora_jax? "
+            "Start it from configs/default.py's get_config() and change what differs"
+        )
 
 
 def _named(prefix: str, check: Any) -> Any:
@@ -817,6 +830,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
 _RESUMABLE_CHANGES = (
     "compilation_cache_dir", "num_cpu_devices", "rollout.num_iterations", "runtime.", "eval.",
     "checkpoint.", "sft.", "engine.slots", "reward.isolation", "reward.workers",
+    "model.qk_norm",  # implied by model.architecture (ModelConfig refuses any other value)
 )  # fmt: skip
 
 
@@ -849,7 +863,9 @@ def check_same_run(
     differ = sorted(
         k
         for k in saved.keys() | now.keys()
-        if k.startswith(prefixes) and saved.get(k) != now.get(k)
+        if k.startswith(prefixes)
+        and not k.startswith(_RESUMABLE_CHANGES)  # a checkpoint may predate the exemption
+        and saved.get(k) != now.get(k)
     )
     if differ:
         changes = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in differ)

@@ -122,6 +122,30 @@ def test_resuming_under_another_config_is_refused_before_the_ledger_is_cut(tmp_p
         app_lib.check_same_run(meta["config"], config, str(tmp_path), prefixes=("model.",))
 
 
+def test_stating_what_the_architecture_implies_is_the_same_run(tmp_path):
+    """`model.qk_norm` can only be the architecture's value: a run started with it unset (the
+    default) resumes with it stated, and a checkpoint saved when the default stated it (and
+    before `reward.workers` existed) still matches."""
+    config = default.get_config()
+    saved = app_lib.run_defining_fields(config)
+    config.model.qk_norm = True
+    app_lib.check_same_run(saved, config, str(tmp_path))
+    older = {**saved, "model.qk_norm": True}
+    app_lib.check_same_run(older, default.get_config(), str(tmp_path), prefixes=("model.",))
+
+
+def test_a_config_without_a_field_the_app_reads_names_it():
+    """A config file written before a field existed failed with a bare AttributeError (or a
+    KeyError, deep in validation)."""
+    config = default.get_config()
+    del config.runtime["host_timeout_s"]
+    del config.reward["options"]
+    with pytest.raises(
+        ValueError, match=r"lacks field\(s\) \['reward.options', 'runtime.host_timeout_s'\]"
+    ):
+        app_lib.validate(config)
+
+
 def test_eval_refuses_a_workdir_that_does_not_exist(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         app_lib.evaluate_checkpoint(default.get_config(), str(tmp_path / "no_such_run"))
