@@ -115,7 +115,7 @@ _SECTION_FIELDS: dict[str, frozenset[str]] = {
     ),
     "engine": frozenset({"slots", "max_decode_length", "temperature", "top_k", "top_p"}),
     "sft": frozenset({"steps", "batch_size", "learning_rate"}),
-    "eval": frozenset({"num_prompts", "samples_per_prompt"}),
+    "eval": frozenset({"num_prompts", "samples_per_prompt", "every"}),
     "checkpoint": frozenset({"every", "keep"}),
 }
 # Sections the app reads field by field, so each must be there (`model` and `task` fields take
@@ -133,6 +133,7 @@ _MINIMA = {
     "sft.batch_size": 1,
     "eval.num_prompts": 1,
     "eval.samples_per_prompt": 1,
+    "eval.every": 0,  # 0: before and after RL only
     "checkpoint.every": 0,  # 0: no checkpoints
     "checkpoint.keep": 1,
 }
@@ -157,6 +158,12 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
             f"data.on_bad_row={config.data.on_bad_row!r}: expected one of {BAD_ROW_MODES}"
         )
     check_integer_fields(config, _MINIMA)
+    every, barriers = config.eval.every, config.checkpoint.every
+    if every and (not barriers or every % barriers):
+        raise ValueError(
+            f"eval.every={every}: must be a multiple of checkpoint.every={barriers} (held-out "
+            "evaluation runs at checkpoint barriers, where the trainer's params are at rest)"
+        )
     _named("engine.", lambda: _sampling(config))
     if config.data.template != "chat":  # a chat template is the checkpoint's, checked on load
         _named("data.template: ", lambda: make_template(config.data.template))
@@ -707,18 +714,31 @@ def _train_and_evaluate(
     display = progress_lib.ProgressDisplay(settings.rollout.num_iterations, "rl", live=progress)
     rl_start = time.perf_counter() - meta.get("rl_seconds", 0.0)
 
+    # Held-out scores of a barrier's version, logged with the next iteration (the barrier's own
+    # record is written by then); kept in its checkpoint, so a resumed run logs them too.
+    pending_eval: dict[str, float] = dict(meta.get("pending_eval", {}))
+
     def on_iteration(metrics: dict[str, float]) -> None:
         step = int(metrics["iteration"]) + 1
         metrics = {
             **metrics,
+            **pending_eval,
             **reward.metrics(),
             **{f"data/skipped_{k}": float(v) for k, v in iterator.skipped.items()},
             "wall_time_s": time.perf_counter() - rl_start,
         }
+        pending_eval.clear()
         writer.write(step, metrics)
         display.update(step, metrics)
 
     def on_checkpoint(rollout_state: dict[str, Any]) -> None:
+        version = rollout_state["newest"]
+        every = config.eval.every
+        if every and version % every == 0 and version < settings.rollout.num_iterations:
+            params = engines[0].shard_params(trainer.params, trainer.version)
+            scores = evaluate(engines[0], params, heldout, config, runner, data.tokenizer)
+            pending_eval.update({f"eval/{k}": v for k, v in scores.items()})
+            pending_eval["eval/version"] = float(version)
         state = trainer.state
         checkpoint_meta = {
             **meta,
@@ -729,6 +749,7 @@ def _train_and_evaluate(
             "metrics_offset": writer.offset(),
             "rl_seconds": time.perf_counter() - rl_start,
             "reward_counters": reward.metrics(),
+            "pending_eval": dict(pending_eval),
         }
         checkpointer.save(
             rollout_state["newest"],

@@ -18,6 +18,7 @@ import pytest
 from configs import default
 from dora_jax import app_lib, models
 from dora_jax.data import LongTailTask
+from dora_jax.observe import metrics_lib
 from dora_jax.rollout import audit_lib
 from dora_jax.runtime import hosts_lib
 from dora_jax.train.checkpoint_lib import Checkpointer
@@ -67,6 +68,7 @@ _TINY_MODEL = models.ModelConfig(vocab_size=16, hidden_size=16, intermediate_siz
         ("sft", "batch_size", 0, "sft.batch_size"),
         ("eval", "num_prompts", 0, "eval.num_prompts"),
         ("eval", "samples_per_prompt", 0, "eval.samples_per_prompt"),
+        ("eval", "every", 3, "eval.every=3: must be a multiple of checkpoint.every=5"),
         ("checkpoint", "every", -1, "checkpoint.every"),
         ("checkpoint", "keep", 0, "checkpoint.keep"),
     ],
@@ -363,6 +365,28 @@ def test_partial_runs_through_the_app_re_prefilling_past_the_prompt_limit(tmp_pa
     report = audit_lib.audit(str(tmp_path))
     # Tokens of one trajectory from several versions: C1 fails by design, nothing else does.
     assert {rule for rule, ok in report.rules.items() if not ok} == {"C1"}
+
+
+@pytest.mark.slow
+def test_held_out_scores_during_rl_are_those_of_the_checkpoint_they_name(tmp_path):
+    """`eval.every`: at a checkpoint barrier the held-out set is scored with that version and
+    logged with the next iteration. The reference is `dora-jax eval` of the same version,
+    restored from its checkpoint on disk (the newer one set aside)."""
+    config = default.get_config()
+    config.rollout.update(num_iterations=4, train_batch_size=8, rollout_batch_size=16,
+                          group_size=4)  # fmt: skip
+    config.sft.steps = 150
+    config.engine.slots = 4
+    config.eval.update(num_prompts=16, samples_per_prompt=2, every=2)
+    config.checkpoint.update(every=2, keep=3)
+    app_lib.train_and_evaluate(config, str(tmp_path), progress=False)
+    records = {r["step"]: r for r in metrics_lib.read_metrics(str(tmp_path))}
+    logged = {s: {k: v for k, v in r.items() if k.startswith("eval/")} for s, r in records.items()}
+    assert [s for s, scores in logged.items() if scores] == [3]  # version 4's is heldout_after
+    os.rename(tmp_path / "checkpoints" / "4", tmp_path / "set_aside")
+    reference = app_lib.evaluate_checkpoint(config, str(tmp_path))
+    assert reference["pass@2"] > 0  # a policy that scores something, not 0 == 0
+    assert logged[3] == {"eval/version": 2.0, **{f"eval/{k}": v for k, v in reference.items()}}
 
 
 @pytest.mark.slow
