@@ -133,10 +133,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict()
     c.eval.num_prompts = 256
     c.eval.samples_per_prompt = 4  # pass@1 is their mean, pass@k their max
-    # Versions between held-out evaluations during RL (logged as eval/pass@1, eval/pass@k with
-    # the next iteration); 0 = before and after RL only. A multiple of checkpoint.every: they
-    # run at checkpoint barriers, where the trainer's params are at rest.
-    c.eval.every = 0
+    # Versions between held-out evaluations during RL (logged as eval/pass@1, eval/pass@k and
+    # eval/version with the next iteration, and drawn in summary.png); 0 = before and after RL
+    # only. Each runs at the first checkpoint barrier at or after a multiple of it, where the
+    # trainer's params are at rest.
+    c.eval.every = 50
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 5  # iterations between checkpoints

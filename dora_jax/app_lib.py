@@ -158,11 +158,10 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
             f"data.on_bad_row={config.data.on_bad_row!r}: expected one of {BAD_ROW_MODES}"
         )
     check_integer_fields(config, _MINIMA)
-    every, barriers = config.eval.every, config.checkpoint.every
-    if every and (not barriers or every % barriers):
+    if config.eval.every and not config.checkpoint.every:
         raise ValueError(
-            f"eval.every={every}: must be a multiple of checkpoint.every={barriers} (held-out "
-            "evaluation runs at checkpoint barriers, where the trainer's params are at rest)"
+            f"eval.every={config.eval.every} needs checkpoint.every > 0: held-out evaluation "
+            "runs at checkpoint barriers, where the trainer's params are at rest (or set 0)"
         )
     _named("engine.", lambda: _sampling(config))
     if config.data.template != "chat":  # a chat template is the checkpoint's, checked on load
@@ -536,6 +535,13 @@ def heldout_records(config: ml_collections.ConfigDict, data: TaskData) -> list[d
     return [record for record, _ in zip(iterator, range(config.eval.num_prompts), strict=False)]
 
 
+def held_out_due(version: int, every: int, barrier_every: int) -> bool:
+    """Whether the checkpoint barrier of `version` (one every `barrier_every` versions) scores
+    the held-out set: the first barrier at or after each multiple of `every` (0: none), i.e.
+    one with a multiple of `every` among the versions since the previous barrier."""
+    return bool(every) and version // every > (version - barrier_every) // every
+
+
 def evaluate(
     engine: Engine,
     params: Any,
@@ -733,8 +739,8 @@ def _train_and_evaluate(
 
     def on_checkpoint(rollout_state: dict[str, Any]) -> None:
         version = rollout_state["newest"]
-        every = config.eval.every
-        if every and version % every == 0 and version < settings.rollout.num_iterations:
+        due = held_out_due(version, config.eval.every, config.checkpoint.every)
+        if due and version < settings.rollout.num_iterations:  # the last: scored after RL
             params = engines[0].shard_params(trainer.params, trainer.version)
             scores = evaluate(engines[0], params, heldout, config, runner, data.tokenizer)
             pending_eval.update({f"eval/{k}": v for k, v in scores.items()})
@@ -930,10 +936,13 @@ def format_accuracy(accuracy: float | None) -> str:
 def _write_summary(workdir: str, summary: dict[str, Any], records: Sequence[dict]) -> None:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    before, after = summary["heldout_accuracy_before"], summary["heldout_accuracy_after"]
     plots_lib.plot_summary(
         records,
         os.path.join(workdir, "summary.png"),
         title=f"dora_jax {summary['mode']}: held-out pass@1 "
-        f"{format_accuracy(summary['heldout_accuracy_before'])} -> "
-        f"{format_accuracy(summary['heldout_accuracy_after'])}",
+        f"{format_accuracy(before)} -> {format_accuracy(after)}",
+        held_out=[
+            (v, p) for v, p in ((0, before), (summary["iterations"], after)) if p is not None
+        ],
     )

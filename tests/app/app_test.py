@@ -14,6 +14,8 @@ import types
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from configs import default
 from dora_jax import app_lib, models
@@ -68,7 +70,7 @@ _TINY_MODEL = models.ModelConfig(vocab_size=16, hidden_size=16, intermediate_siz
         ("sft", "batch_size", 0, "sft.batch_size"),
         ("eval", "num_prompts", 0, "eval.num_prompts"),
         ("eval", "samples_per_prompt", 0, "eval.samples_per_prompt"),
-        ("eval", "every", 3, "eval.every=3: must be a multiple of checkpoint.every=5"),
+        ("checkpoint", "every", 0, r"eval.every=50 needs checkpoint.every > 0"),
         ("checkpoint", "every", -1, "checkpoint.every"),
         ("checkpoint", "keep", 0, "checkpoint.keep"),
     ],
@@ -365,6 +367,15 @@ def test_partial_runs_through_the_app_re_prefilling_past_the_prompt_limit(tmp_pa
     report = audit_lib.audit(str(tmp_path))
     # Tokens of one trajectory from several versions: C1 fails by design, nothing else does.
     assert {rule for rule, ok in report.rules.items() if not ok} == {"C1"}
+
+
+@given(st.integers(1, 30), st.integers(1, 12), st.integers(1, 200))
+def test_held_out_is_scored_at_the_first_barrier_at_or_after_each_multiple(every, barrier, n):
+    barriers = range(barrier, n + 1, barrier)
+    expected = {next((b for b in barriers if b >= m), None) for m in range(every, n + 1, every)}
+    got = {v for v in barriers if app_lib.held_out_due(v, every, barrier)}
+    assert got == expected - {None}
+    assert not any(app_lib.held_out_due(v, 0, barrier) for v in barriers)
 
 
 @pytest.mark.slow

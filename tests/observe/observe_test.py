@@ -95,6 +95,24 @@ def test_summary_plot_drops_non_finite_points(tmp_path, monkeypatch):
     assert ax.yaxis.get_units() is None  # numeric, not a category axis
 
 
+def test_held_out_pass_at_1_joins_the_reward_panel(tmp_path, monkeypatch):
+    """`eval.every`'s scores, logged with the iteration after the version they score, are
+    drawn at that version on the reward-vs-iteration panel."""
+    records = [
+        {"step": i, "wall_time_s": float(i), "train/reward_mean": 0.1 * i} for i in (1, 2, 3)
+    ]
+    records[2].update({"eval/version": 2.0, "eval/pass@1": 0.25})
+    figures = []
+    monkeypatch.setattr(plots_lib.plt, "close", figures.append)
+    plots_lib.plot_summary(records, str(tmp_path / "summary.png"), held_out=[(0, 0.1), (3, 0.5)])
+    (ax,) = [a for a in figures[0].axes if a.get_title() == "reward vs iteration"]
+    held_out = [line for line in ax.get_lines() if line.get_label() == "held-out pass@1"]
+    got = [(list(h.get_xdata()), list(h.get_ydata())) for h in held_out]
+    assert got == [([0, 2.0, 3], [0.1, 0.25, 0.5])]
+    (wall,) = [a for a in figures[0].axes if a.get_title() == "reward vs wall-clock"]
+    assert len(wall.get_lines()) == 1  # versions are not wall-clock seconds
+
+
 def test_progress_line_shows_the_key_fields(capsys):
     display = progress_lib.ProgressDisplay(total=3, live=False)
     display.update(
