@@ -17,6 +17,7 @@ _FIELDS = (
     ("stale", "train/staleness_max", "{:.0f}"),
     ("tok/s", "trained_tokens_per_s", "{:.0f}"),
     ("versions", "versions_live", "{:.0f}"),
+    ("held-out pass@1", "eval/pass@1", "{:.3f}"),  # the iterations after an `eval.every` score
 )
 
 

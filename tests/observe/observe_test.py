@@ -118,10 +118,12 @@ def test_progress_line_shows_the_key_fields(capsys):
     display.update(
         1, {"train/reward_mean": 0.5, "train/staleness_max": 2, "trained_tokens_per_s": 1234.4}
     )
+    display.update(2, {"train/reward_mean": 0.5, "eval/pass@1": 0.625})
     display.close()
-    line = capsys.readouterr().out
-    assert "iter 1/3" in line and "reward 0.500" in line and "stale 2" in line
-    assert "tok/s 1234" in line
+    first, second = capsys.readouterr().out.splitlines()
+    assert "iter 1/3" in first and "reward 0.500" in first and "stale 2" in first
+    assert "tok/s 1234" in first and "held-out" not in first
+    assert "held-out pass@1 0.625" in second
 
 
 def test_a_resumed_trace_keeps_the_earlier_run_on_one_timeline(tmp_path):
