@@ -140,6 +140,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval.every = 50
 
     c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every = 5  # iterations between checkpoints
+    c.checkpoint.every = 5  # iterations between checkpoints (0: none, with eval.every = 0)
     c.checkpoint.keep = 2
     return c

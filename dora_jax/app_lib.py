@@ -560,11 +560,14 @@ def evaluate(
         for j in range(k)
     ]
     completions = generate_all(engine, params, requests)
-    scores = np.asarray(
-        runner.score(
+    training = dataclasses.replace(runner.counters)  # reward/* count the run's samples only
+    try:
+        scored = runner.score(
             [(c.id, tokenizer.decode(c.tokens), records[c.id[0]]["answer"]) for c in completions]
         )
-    ).reshape(len(records), k)
+    finally:
+        runner.counters = training
+    scores = np.asarray(scored).reshape(len(records), k)
     correct = scores >= 1.0
     return {"pass@1": float(correct.mean()), f"pass@{k}": float(correct.any(axis=1).mean())}
 
@@ -739,8 +742,9 @@ def _train_and_evaluate(
 
     def on_checkpoint(rollout_state: dict[str, Any]) -> None:
         version = rollout_state["newest"]
-        due = held_out_due(version, config.eval.every, config.checkpoint.every)
-        if due and version < settings.rollout.num_iterations:  # the last: scored after RL
+        # The last version's scores too: they are the run's `heldout_after`, and a run asked
+        # to go on logs them with its first iteration.
+        if held_out_due(version, config.eval.every, config.checkpoint.every):
             params = engines[0].shard_params(trainer.params, trainer.version)
             scores = evaluate(engines[0], params, heldout, config, runner, data.tokenizer)
             pending_eval.update({f"eval/{k}": v for k, v in scores.items()})
@@ -792,8 +796,11 @@ def _train_and_evaluate(
     rl_seconds = time.perf_counter() - rl_start
 
     trained = trainer.params
-    final_params = engines[0].shard_params(trained, trainer.version)
-    after = evaluate(engines[0], final_params, heldout, config, runner, data.tokenizer)
+    if pending_eval.get("eval/version") == trainer.version:  # scored at the last barrier
+        after = {k.removeprefix("eval/"): v for k, v in pending_eval.items() if k != "eval/version"}
+    else:
+        final_params = engines[0].shard_params(trained, trainer.version)
+        after = evaluate(engines[0], final_params, heldout, config, runner, data.tokenizer)
     runner.close()
     nnx.update(model, trained)
     models.save_pretrained(

@@ -21,7 +21,7 @@ from configs import default
 from dora_jax import app_lib, models
 from dora_jax.data import LongTailTask
 from dora_jax.observe import metrics_lib
-from dora_jax.rollout import audit_lib
+from dora_jax.rollout import audit_lib, ledger_lib
 from dora_jax.runtime import hosts_lib
 from dora_jax.train.checkpoint_lib import Checkpointer
 
@@ -381,8 +381,10 @@ def test_held_out_is_scored_at_the_first_barrier_at_or_after_each_multiple(every
 @pytest.mark.slow
 def test_held_out_scores_during_rl_are_those_of_the_checkpoint_they_name(tmp_path):
     """`eval.every`: at a checkpoint barrier the held-out set is scored with that version and
-    logged with the next iteration. The reference is `dora-jax eval` of the same version,
-    restored from its checkpoint on disk (the newer one set aside)."""
+    logged with the next iteration; the last version's scores are the run's `heldout_after`,
+    and a run asked to go on logs them too. The reference is `dora-jax eval` of the same
+    version, restored from its checkpoint on disk (the newer ones set aside). Held-out scoring
+    does not count in the run's reward counters."""
     config = default.get_config()
     config.rollout.update(num_iterations=4, train_batch_size=8, rollout_batch_size=16,
                           group_size=4)  # fmt: skip
@@ -390,11 +392,22 @@ def test_held_out_scores_during_rl_are_those_of_the_checkpoint_they_name(tmp_pat
     config.engine.slots = 4
     config.eval.update(num_prompts=16, samples_per_prompt=2, every=2)
     config.checkpoint.update(every=2, keep=3)
-    app_lib.train_and_evaluate(config, str(tmp_path), progress=False)
+    first = app_lib.train_and_evaluate(config, str(tmp_path), progress=False)
+    config.rollout.num_iterations = 6
+    second = app_lib.train_and_evaluate(config, str(tmp_path), progress=False)  # on from v4
     records = {r["step"]: r for r in metrics_lib.read_metrics(str(tmp_path))}
     logged = {s: {k: v for k, v in r.items() if k.startswith("eval/")} for s, r in records.items()}
-    assert [s for s, scores in logged.items() if scores] == [3]  # version 4's is heldout_after
-    os.rename(tmp_path / "checkpoints" / "4", tmp_path / "set_aside")
+    assert [s for s, scores in logged.items() if scores] == [3, 5]
+    assert logged[5] == {
+        "eval/version": 4.0,
+        **{f"eval/{k}": v for k, v in first["heldout_after"].items()},
+    }
+    # Each dispatched sample is scored once when it finishes (the last barrier drained them
+    # all); the held-out scoring does not count.
+    dispatched = sum(e["event"] == "dispatch" for e in ledger_lib.read(str(tmp_path)))
+    assert second["reward_counters"]["reward/calls"] == dispatched
+    for newer in ("6", "4"):
+        os.rename(tmp_path / "checkpoints" / newer, tmp_path / f"set_aside_{newer}")
     reference = app_lib.evaluate_checkpoint(config, str(tmp_path))
     assert reference["pass@2"] > 0  # a policy that scores something, not 0 == 0
     assert logged[3] == {"eval/version": 2.0, **{f"eval/{k}": v for k, v in reference.items()}}
