@@ -560,14 +560,12 @@ def evaluate(
         for j in range(k)
     ]
     completions = generate_all(engine, params, requests)
-    training = dataclasses.replace(runner.counters)  # reward/* count the run's samples only
-    try:
-        scored = runner.score(
-            [(c.id, tokenizer.decode(c.tokens), records[c.id[0]]["answer"]) for c in completions]
+    scores = np.asarray(
+        runner.score(
+            [(c.id, tokenizer.decode(c.tokens), records[c.id[0]]["answer"]) for c in completions],
+            counted=False,
         )
-    finally:
-        runner.counters = training
-    scores = np.asarray(scored).reshape(len(records), k)
+    ).reshape(len(records), k)
     correct = scores >= 1.0
     return {"pass@1": float(correct.mean()), f"pass@{k}": float(correct.any(axis=1).mean())}
 
@@ -727,6 +725,11 @@ def _train_and_evaluate(
     # record is written by then); kept in its checkpoint, so a resumed run logs them too.
     pending_eval: dict[str, float] = dict(meta.get("pending_eval", {}))
 
+    def held_out_of_trainer() -> dict[str, float]:
+        """Held-out scores of the trainer's params, at rest (a barrier, or the run's end)."""
+        params = engines[0].shard_params(trainer.params, trainer.version)
+        return evaluate(engines[0], params, heldout, config, runner, data.tokenizer)
+
     def on_iteration(metrics: dict[str, float]) -> None:
         step = int(metrics["iteration"]) + 1
         metrics = {
@@ -745,9 +748,7 @@ def _train_and_evaluate(
         # The last version's scores too: they are the run's `heldout_after`, and a run asked
         # to go on logs them with its first iteration.
         if held_out_due(version, config.eval.every, config.checkpoint.every):
-            params = engines[0].shard_params(trainer.params, trainer.version)
-            scores = evaluate(engines[0], params, heldout, config, runner, data.tokenizer)
-            pending_eval.update({f"eval/{k}": v for k, v in scores.items()})
+            pending_eval.update({f"eval/{k}": v for k, v in held_out_of_trainer().items()})
             pending_eval["eval/version"] = float(version)
         state = trainer.state
         checkpoint_meta = {
@@ -799,8 +800,7 @@ def _train_and_evaluate(
     if pending_eval.get("eval/version") == trainer.version:  # scored at the last barrier
         after = {k.removeprefix("eval/"): v for k, v in pending_eval.items() if k != "eval/version"}
     else:
-        final_params = engines[0].shard_params(trained, trainer.version)
-        after = evaluate(engines[0], final_params, heldout, config, runner, data.tokenizer)
+        after = held_out_of_trainer()
     runner.close()
     nnx.update(model, trained)
     models.save_pretrained(

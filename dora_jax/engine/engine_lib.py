@@ -463,7 +463,6 @@ class Engine:
         is decoding; consumes (donates) `decode_state`."""
         if not is_count(steps, 1):
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
-        steps = int(steps)  # the static argument: np.int64(2) and 2 are one program
         version = policy_version(params)
         decode_state, data, log_probs = self._generate_steps_jit(params.leaves, decode_state, steps)
         return decode_state, StepResults(data, log_probs, version=version)

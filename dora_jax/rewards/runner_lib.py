@@ -116,13 +116,18 @@ class RewardRunner:
         for f in _COUNTER_FIELDS:
             setattr(self.counters, f.name, int(saved.get(f"reward/{f.name}", 0)))
 
-    def score(self, items: Sequence[tuple[Hashable, str, str]]) -> list[float]:
-        """Rewards of `items`, in order."""
+    def score(
+        self, items: Sequence[tuple[Hashable, str, str]], counted: bool = True
+    ) -> list[float]:
+        """Rewards of `items`, in order. `counted=False` leaves the counters alone (held-out
+        scoring: `reward/*` count the run's own samples); failures are logged either way."""
         outcomes = (
             self._in_processes(items) if self._isolation == "process" else self._in_threads(items)
         )
+        counters = self.counters if counted else RewardCounters()
         return [
-            self._settle(sample_id, o) for (sample_id, _, _), o in zip(items, outcomes, strict=True)
+            self._settle(sample_id, o, counters)
+            for (sample_id, _, _), o in zip(items, outcomes, strict=True)
         ]
 
     def close(self) -> None:
@@ -147,8 +152,7 @@ class RewardRunner:
                         busy[w] = (i, time.monotonic() + self._timeout_s)
                     else:  # it died idle, since its last item: its replacement takes this one
                         waiting.appendleft(i)
-                        worker.stop()
-                        self._workers[w] = self._start_worker()
+                        self._replace(w)
             starts = [worker.deadline for worker in self._workers if not worker.ready]
             until = min([due for _, due in busy.values()] + starts)
             connections = [worker.connection for worker in self._workers]
@@ -169,12 +173,15 @@ class RewardRunner:
                     continue
                 if item is not None:
                     outcomes[item] = _Outcome(True, math.nan, "its worker died") if died else None
-                worker.stop()
-                self._workers[w] = self._start_worker()
+                self._replace(w)
         return outcomes
 
     def _start_worker(self) -> _Worker:
         return self._starter.run(_Worker, self._pickled)
+
+    def _replace(self, w: int) -> None:
+        self._workers[w].stop()
+        self._workers[w] = self._start_worker()
 
     # -- threads ----------------------------------------------------------------------------
 
@@ -200,19 +207,21 @@ class RewardRunner:
             thread.join(max(0.0, deadline - time.monotonic()))
         return [None if t.is_alive() else o for t, o in zip(threads, outcomes, strict=True)]
 
-    def _settle(self, sample_id: Hashable, outcome: _Outcome | None) -> float:
-        self.counters.calls += 1
+    def _settle(
+        self, sample_id: Hashable, outcome: _Outcome | None, counters: RewardCounters
+    ) -> float:
+        counters.calls += 1
         if outcome is None:
-            self.counters.timeouts += 1
+            counters.timeouts += 1
             _log.warning("reward for sample %s timed out after %.3gs", sample_id, self._timeout_s)
             return 0.0
         if outcome.raised:
-            self.counters.errors += 1
+            counters.errors += 1
             _log.warning("reward for sample %s raised %s; scoring 0", sample_id, outcome.shown)
             return 0.0
         if math.isfinite(outcome.reward):
             return outcome.reward
-        self.counters.errors += 1
+        counters.errors += 1
         _log.warning(
             "reward for sample %s returned %s, not a finite number", sample_id, outcome.shown
         )

@@ -272,3 +272,13 @@ def test_a_worker_that_died_idle_is_replaced_and_its_item_scored():
     assert runner.score([(3, "abcd", ""), (4, "a", "")]) == [4.0, 1.0]
     assert runner.counters.errors == 0
     runner.close()
+
+
+def test_uncounted_scores_leave_the_counters_alone():
+    """Held-out scoring goes through the run's runner, but `reward/*` count the run's own
+    samples: a failing held-out call is scored 0 without being counted."""
+    runner = RewardRunner(flaky, timeout_s=5.0, isolation="thread")
+    assert runner.score([(0, "raise", ""), (1, "1.0", "")], counted=False)[0] == 0.0
+    assert runner.counters == RewardCounters()
+    runner.score([(2, "raise", "")])
+    assert runner.counters == RewardCounters(calls=1, errors=1)
