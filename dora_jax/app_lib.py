@@ -13,7 +13,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -34,7 +34,7 @@ from dora_jax.data import (
     open_files,
     prompt_dataset,
 )
-from dora_jax.engine import Engine, Request, SamplingParams, generate_all
+from dora_jax.engine import Engine, Request, SamplingParams, TextStream, generate_all
 from dora_jax.models import sharding_lib
 from dora_jax.observe import metrics_lib, plots_lib, progress_lib
 from dora_jax.rewards import RewardRunner, get_reward
@@ -113,7 +113,9 @@ _SECTION_FIELDS: dict[str, frozenset[str]] = {
             "overlong_penalty",
         }
     ),
-    "engine": frozenset({"slots", "max_decode_length", "temperature", "top_k", "top_p"}),
+    "engine": frozenset(
+        {"slots", "max_decode_length", "temperature", "top_k", "top_p", "stop_strings"}
+    ),
     "sft": frozenset({"steps", "batch_size", "learning_rate"}),
     "eval": frozenset({"num_prompts", "samples_per_prompt", "every"}),
     "checkpoint": frozenset({"every", "keep"}),
@@ -164,6 +166,7 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
             "runs at checkpoint barriers, where the trainer's params are at rest (or set 0)"
         )
     _named("engine.", lambda: _sampling(config))
+    stop_strings(config)
     if config.data.template != "chat":  # a chat template is the checkpoint's, checked on load
         _named("data.template: ", lambda: make_template(config.data.template))
     if config.data.source == "longtail":
@@ -221,6 +224,18 @@ def _named(prefix: str, check: Any) -> Any:
 def _sampling(config: ml_collections.ConfigDict) -> SamplingParams:
     e = config.engine
     return SamplingParams(temperature=e.temperature, top_k=e.top_k, top_p=e.top_p)
+
+
+def stop_strings(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """`engine.stop_strings`, checked: a response ends at the first token whose text completes
+    one (vLLM's `stop`), in rollout and held-out evaluation alike."""
+    value = config.engine.stop_strings
+    if not isinstance(value, tuple | list) or not all(isinstance(x, str) and x for x in value):
+        raise ValueError(
+            f"engine.stop_strings={value!r}: expected a tuple of non-empty strings, e.g. "
+            "('</answer>',)"
+        )
+    return tuple(value)
 
 
 def _longtail_task(config: ml_collections.ConfigDict) -> LongTailTask:
@@ -341,10 +356,20 @@ class PromptStream:
     half-used).
     """
 
-    def __init__(self, iterator: Any, group_size: int, max_new_tokens: int, first_id: int = 0):
+    def __init__(
+        self,
+        iterator: Any,
+        group_size: int,
+        max_new_tokens: int,
+        first_id: int = 0,
+        stop_strings: tuple[str, ...] = (),
+        text_stream: Callable[[], TextStream] | None = None,
+    ):
         self.iterator = iterator
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens
+        self.stop_strings = stop_strings
+        self.text_stream = text_stream
         self.next_id = first_id
         self.records: dict[int, dict[str, Any]] = {}
         self._scored: collections.Counter[int] = collections.Counter()
@@ -360,6 +385,8 @@ class PromptStream:
             prompt_id,
             np.asarray(record["prompt_tokens"], np.int32),
             (self.max_new_tokens,) * self.group_size,
+            stop_strings=self.stop_strings,
+            text_stream=self.text_stream,
         )
 
     def answer(self, prompt_id: int) -> str:
@@ -554,12 +581,18 @@ def evaluate(
     if not records:
         return {}
     k = config.eval.samples_per_prompt
+    stops = stop_strings(config)
     requests = [
-        Request(prompt_tokens=record["prompt_tokens"], seed=10_000 * i + j, id=(i, j))
+        Request(
+            prompt_tokens=record["prompt_tokens"],
+            seed=10_000 * i + j,
+            id=(i, j),
+            stop_strings=stops,
+        )
         for i, record in enumerate(records)
         for j in range(k)
     ]
-    completions = generate_all(engine, params, requests)
+    completions = generate_all(engine, params, requests, text_stream=tokenizer.text_stream)
     scores = np.asarray(
         runner.score(
             [(c.id, tokenizer.decode(c.tokens), records[c.id[0]]["answer"]) for c in completions],
@@ -711,6 +744,8 @@ def _train_and_evaluate(
         settings.rollout.group_size,
         config.engine.max_decode_length,
         first_id=resume["next_prompt"] if resume else 0,
+        stop_strings=stop_strings(config),
+        text_stream=data.tokenizer.text_stream,
     )
     reward = RewardAdapter(runner, data.tokenizer, prompts, settings.overlong)
     if resume:  # the counters are cumulative over the run, not over this process

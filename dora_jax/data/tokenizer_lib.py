@@ -1,16 +1,17 @@
 """One tokenizer interface for Hugging Face checkpoints and the built-in char-level task.
 
-Everything downstream (prompt pipeline, engine stop tokens, reward decoding) needs the same six
-things: `encode`, `decode`, `eos_id`, `eos_ids`, `pad_id`, `vocab_size`. Both kinds of tokenizer
-are real `tokenizers.Tokenizer` objects (the char vocabulary is a WordLevel model over single
-characters), so there is a single implementation and the char tokenizer can be saved as a
-`tokenizer.json` next to a checkpoint and reloaded by the same loader as a Hugging Face one.
+Everything downstream (prompt pipeline, engine stop tokens, stop strings, reward decoding) needs
+the same seven things: `encode`, `decode`, `text_stream`, `eos_id`, `eos_ids`, `pad_id`,
+`vocab_size`. Both kinds of tokenizer are real `tokenizers.Tokenizer` objects (the char
+vocabulary is a WordLevel model over single characters), so there is a single implementation and
+the char tokenizer can be saved as a `tokenizer.json` next to a checkpoint and reloaded by the
+same loader as a Hugging Face one.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import tokenizers
@@ -67,6 +68,13 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def text_stream(self) -> Callable[[int], str]:
+        """A new response's text token by token (the engine's `TextStream`), as `decode` would
+        give it: each call takes the next id and returns the text it adds, "" while a
+        character's bytes are still incomplete. For stop strings, checked after every token."""
+        stream = decoders.DecodeStream(skip_special_tokens=True)
+        return lambda token_id: stream.step(self.tok, int(token_id)) or ""
 
     def save(self, directory: str | Path) -> None:
         """Writes `tokenizer.json` and a minimal `tokenizer_config.json`, which

@@ -42,7 +42,7 @@ Semantics:
 - Each slot carries the `version` of the params that prefilled it (`SlotData.version`); every
   `ResultTokens` carries the version of the params that produced it (`.version`). Keeping them
   equal is the caller's job (C1); the engine never swaps params by itself.
-- Stop sequences and stop strings are checked on the host (`stop_reached`); EOS ids,
+- Stop sequences and stop strings are checked on the host (`StopMatcher`); EOS ids,
   min_new_tokens / ignore_eos and max_new_tokens are checked on the device.
 - Bad input (empty prompt, prompt longer than max_prefill_length, token id outside the
   vocabulary, busy or out-of-range slot, bad sampling values) raises ValueError before any
@@ -57,7 +57,13 @@ continuous batching to the end and returns one `Completion` per request, in orde
 
 from dora_jax.engine.engine_lib import Engine
 from dora_jax.engine.generate_lib import generate_all
-from dora_jax.engine.request_lib import Completion, FinishReason, Request, stop_reached
+from dora_jax.engine.request_lib import (
+    Completion,
+    FinishReason,
+    Request,
+    StopMatcher,
+    TextStream,
+)
 from dora_jax.engine.sampling_lib import SamplingParams
 from dora_jax.engine.slots_lib import (
     DecodeState,
@@ -82,6 +88,7 @@ __all__ = [
     "SamplingParams",
     "SlotData",
     "SlotState",
+    "StopMatcher",
+    "TextStream",
     "generate_all",
-    "stop_reached",
 ]

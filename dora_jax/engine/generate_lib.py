@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dora_jax.engine.engine_lib import Engine
-from dora_jax.engine.request_lib import Completion, FinishReason, Request, stop_reached
+from dora_jax.engine.request_lib import Completion, FinishReason, Request, StopMatcher, TextStream
 from dora_jax.engine.slots_lib import PolicyParams, policy_version
 
 
@@ -18,18 +18,23 @@ def generate_all(
     params: PolicyParams,
     requests: Sequence[Request],
     *,
-    detokenize: Callable[[Sequence[int]], str] | None = None,
+    text_stream: Callable[[], TextStream] | None = None,
 ) -> list[Completion]:
     """Runs `requests` to completion with continuous batching; completions in request order.
 
     Free slots are refilled (prompts of one length bucket prefilled together) while the other
-    slots keep decoding. Every request is checked before any work starts.
+    slots keep decoding. Every request is checked before any work starts. `text_stream` (the
+    tokenizer's) is needed for requests with stop strings.
     """
     version = policy_version(params)
     for r in requests:
         engine.check_request(r)
-        if r.stop_strings and detokenize is None:
-            raise ValueError(f"request {r.id!r} has stop_strings but no detokenize callable")
+        if r.stop_strings and text_stream is None:
+            raise ValueError(f"request {r.id!r} has stop_strings but no text_stream")
+    stops = [
+        StopMatcher(r.stop_sequences, r.stop_strings, r.min_new_tokens, text_stream)
+        for r in requests
+    ]
     tokens: list[list[int]] = [[] for _ in requests]
     logprobs: list[list[float]] = [[] for _ in requests]
     results: list[Completion | None] = [None] * len(requests)
@@ -43,9 +48,7 @@ def generate_all(
         logprobs[i].append(logprob)
         reason = FinishReason(finish)
         # A stop rule completed on the last token allowed is why the request ended: "stop".
-        if reason in (FinishReason.NONE, FinishReason.LENGTH) and stop_reached(
-            requests[i], tokens[i], detokenize
-        ):
+        if reason in (FinishReason.NONE, FinishReason.LENGTH) and stops[i].step(token):
             reason = FinishReason.STOP
         if reason == FinishReason.NONE:
             return False

@@ -22,7 +22,7 @@ class FinishReason(enum.IntEnum):
     NONE = 0
     EOS = 1  # sampled one of the request's EOS ids
     LENGTH = 2  # reached max_new_tokens
-    STOP = 3  # a stop sequence / stop string matched (host side, see `stop_reached`)
+    STOP = 3  # a stop sequence / stop string matched (host side, see `StopMatcher`)
     ABORTED = 4  # freed by `free_slot` while still decoding
 
     @property
@@ -48,9 +48,9 @@ class Request:
       behaviour log-probs stay those of the policy.
     seed: PRNG seed; token i uses fold_in(key(seed mod 2**32), i).
     eos_ids: None uses the engine's eos_ids.
-    stop_sequences / stop_strings: checked on the host after each token (`stop_reached`);
-      stop strings need a detokenize callable. The matching tokens stay in the completion,
-      and a match on the last token allowed reports "stop", not "length".
+    stop_sequences / stop_strings: checked on the host after each token (`StopMatcher`);
+      stop strings need a text stream (`generate_all(text_stream=)`). The matching tokens stay
+      in the completion, and a match on the last token allowed reports "stop", not "length".
     id: the caller's handle, copied to the `Completion`.
     """
 
@@ -81,23 +81,58 @@ class Completion:
         return len(self.tokens)
 
 
-def stop_reached(
-    request: Request,
-    tokens: Sequence[int],
-    detokenize: Callable[[Sequence[int]], str] | None = None,
-) -> bool:
-    """Whether the generated `tokens` end in one of the request's stop sequences or contain one
-    of its stop strings (`detokenize` maps generated ids to text). Called after every token, it
-    stops at the first token that completes a match, once `min_new_tokens` are generated."""
-    if len(tokens) < request.min_new_tokens:
-        return False
-    for seq in request.stop_sequences:
-        n = len(seq)
-        if n and len(tokens) >= n and [int(t) for t in tokens[-n:]] == [int(t) for t in seq]:
+TextStream = Callable[[int], str]
+"""A response's text, token by token: each call takes the next token id and returns the text it
+adds ("" while a character is still incomplete). `Tokenizer.text_stream` makes one."""
+
+
+class StopMatcher:
+    """One response's stop sequences (token ids) and stop strings, checked as each token arrives.
+
+    A stop sequence matches when the response ends in it; a stop string when the response's text
+    contains it. Both count only from `min_new_tokens` on, and the first token that completes a
+    match stops the request (it stays in the response). Stop strings are matched on text streamed
+    token by token, so each token costs the same however long the response is: decoding the whole
+    response after every token would be quadratic, and reasoning responses run to tens of
+    thousands of tokens.
+    """
+
+    def __init__(
+        self,
+        stop_sequences: Sequence[Sequence[int]] = (),
+        stop_strings: Sequence[str] = (),
+        min_new_tokens: int = 0,
+        text_stream: Callable[[], TextStream] | None = None,
+    ):
+        if any(not s for s in stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {list(stop_strings)!r}")
+        if stop_strings and text_stream is None:
+            raise ValueError("stop_strings need a text stream (the tokenizer's `text_stream`)")
+        self.sequences = [tuple(int(t) for t in s) for s in stop_sequences if len(s)]
+        self.strings = tuple(stop_strings)
+        self.min_new_tokens = min_new_tokens
+        self._stream = text_stream() if self.strings and text_stream else None
+        self._recent: list[int] = []  # the last tokens, as many as the longest stop sequence
+        self._count = 0
+        # Text not yet searched, after the longest stop string's length - 1 characters before it
+        # (a match completed by the next token may start there).
+        self._text = ""
+
+    def step(self, token: int) -> bool:
+        """Takes the response's next token; True if a stop rule matches with it."""
+        self._count += 1
+        longest = max(map(len, self.sequences), default=0)
+        if longest:
+            self._recent = [*self._recent, int(token)][-longest:]
+        if self._stream is not None:
+            self._text += self._stream(int(token))
+        if self._count < self.min_new_tokens:
+            return False
+        if any(tuple(self._recent[-len(s) :]) == s for s in self.sequences):
             return True
-    if request.stop_strings:
-        if detokenize is None:
-            raise ValueError(f"request {request.id!r} has stop_strings but no detokenize callable")
-        text = detokenize([int(t) for t in tokens])
-        return any(s in text for s in request.stop_strings)
-    return False
+        if self._stream is None:
+            return False
+        found = any(s in self._text for s in self.strings)
+        keep = max(map(len, self.strings)) - 1
+        self._text = self._text[-keep:] if keep else ""
+        return found

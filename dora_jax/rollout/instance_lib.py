@@ -50,6 +50,8 @@ class RolloutInstance:
         self.healthy = True
         self._pending_result: Any = None
         self._pending_prefill: list[Any] = []
+        # Slots whose request a stop string ended: the engine decodes on in them until freed.
+        self._stopped: list[int] = []
 
     @property
     def name(self) -> str:
@@ -96,6 +98,7 @@ class RolloutInstance:
         for _, slot in starts:
             if self.slots[slot] is not None:
                 raise RuntimeError(f"{self.name}: slot {slot} is busy")
+        self._free_stopped()
         by_bucket: dict[int, list[tuple[Request, int, EngineRequest]]] = {}
         for request, slot in starts:
             tokens = np.concatenate(
@@ -121,6 +124,7 @@ class RolloutInstance:
 
     def dispatch_generate(self, steps: int) -> None:
         """Enqueues `steps` decode steps for every slot as one engine call (does not wait)."""
+        self._free_stopped()
         self.decode_state, self._pending_result = self.engine.generate_steps(
             self.params, self.decode_state, steps
         )
@@ -168,10 +172,24 @@ class RolloutInstance:
         request = self.slots[slot]
         token, logprob, finish = row
         request.record(token, logprob, version)
-        if finish != FinishReason.NONE:
-            request.truncated = finish == FinishReason.LENGTH
+        # A stop string completed by the last token allowed ends the request too, untruncated.
+        stopped = finish in (FinishReason.NONE, FinishReason.LENGTH) and (
+            request.stop is not None and request.stop.step(token)
+        )
+        if finish != FinishReason.NONE or stopped:
+            request.truncated = finish == FinishReason.LENGTH and not stopped
             self.slots[slot] = None
             finished.append(request)
+            if finish == FinishReason.NONE:
+                self._stopped.append(slot)
+
+    def _free_stopped(self) -> None:
+        """Frees the engine's slots of requests that stop strings ended, in one call, before
+        the next call that decodes or fills slots. Not at once: `collect` has already handed
+        those requests back, and an engine error there would lose them with the instance."""
+        if self._stopped:
+            self.decode_state = self.engine.free_slot(self.decode_state, self._stopped)
+            self._stopped = []
 
     def _release(self, slot: int) -> None:
         self.decode_state = self.engine.free_slot(self.decode_state, slot)
@@ -190,6 +208,7 @@ class RolloutInstance:
             raise RuntimeError(
                 f"{self.name} hosts v{self.version}, cannot take a v{request.version} request"
             )
+        self._free_stopped()
         self.decode_state = self.engine.import_slot(self.decode_state, slot, exported)
         self.slots[slot] = request
 
@@ -197,8 +216,9 @@ class RolloutInstance:
         """Takes every request out of the slots, keeping what they generated. One engine call:
         if it raises, every request is still in its slot for `fail`."""
         active = self.active()
-        if active:
-            self.decode_state = self.engine.free_slot(self.decode_state, active)
+        if active or self._stopped:
+            self.decode_state = self.engine.free_slot(self.decode_state, [*self._stopped, *active])
+            self._stopped = []
         requests = [self.slots[s] for s in active]
         for s in active:
             self.slots[s] = None
@@ -212,4 +232,5 @@ class RolloutInstance:
         self.unload()
         self._pending_result = None
         self._pending_prefill = []
+        self._stopped = []
         return requests

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from dora_jax.engine.request_lib import StopMatcher, TextStream
 from dora_jax.rollout.trajectory_lib import Trajectory
 
 
@@ -20,13 +21,17 @@ class PromptSpec:
     """One prompt and the generation limit of each of its G samples.
 
     `ignore_eos` with per-sample `max_new_tokens` forces response lengths, so every paradigm
-    does identical work on a benchmark workload.
+    does identical work on a benchmark workload. `stop_strings` end a response at the first
+    token whose text completes one (it stays in the response); they need `text_stream`, the
+    tokenizer's (`Tokenizer.text_stream`).
     """
 
     prompt_id: int
     tokens: np.ndarray  # int32 [prompt_len]
     max_new_tokens: tuple[int, ...]  # one per sample of the group
     ignore_eos: bool = False
+    stop_strings: tuple[str, ...] = ()
+    text_stream: Callable[[], TextStream] | None = None
 
 
 PromptSource = Callable[[int], PromptSpec]  # prompt_id -> spec, deterministic
@@ -52,6 +57,16 @@ class Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     token_versions: list[int] = dataclasses.field(default_factory=list)
     truncated: bool = False
+    # The prompt's stop strings, matched on the response so far (None: it has none).
+    stop: StopMatcher | None = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self._new_stop()
+
+    def _new_stop(self) -> None:
+        spec = self.prompt
+        if spec.stop_strings:
+            self.stop = StopMatcher(stop_strings=spec.stop_strings, text_stream=spec.text_stream)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -84,6 +99,7 @@ class Request:
         self.tokens.clear()
         self.logprobs.clear()
         self.token_versions.clear()
+        self._new_stop()
 
     def to_trajectory(self, reward: float) -> Trajectory:
         return Trajectory(

@@ -24,3 +24,12 @@ def meets_five_others(completion: str, answer: str) -> float:
     """1 once six calls are in flight together; with fewer workers the barrier breaks."""
     MEETING.wait(timeout=10)
     return 1.0
+
+
+SCORED: list[str] = []
+
+
+def remembers_what_it_scores(completion: str, answer: str) -> float:
+    """`even_length`, keeping every completion it scores (in-process, `isolation="thread"`)."""
+    SCORED.append(completion)
+    return even_length(completion, answer)

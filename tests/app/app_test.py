@@ -12,6 +12,7 @@ import sys
 import threading
 import types
 
+import app_rewards
 import numpy as np
 import pytest
 from hypothesis import given
@@ -66,6 +67,7 @@ _TINY_MODEL = models.ModelConfig(vocab_size=16, hidden_size=16, intermediate_siz
         ("engine", "temperature", -1.0, "engine.temperature"),
         ("engine", "top_p", 2.0, "engine.top_p"),
         ("engine", "top_k", -5, "engine.top_k"),
+        ("engine", "stop_strings", ("",), "engine.stop_strings"),
         ("task", "modulus", 4, "task.modulus"),
         ("sft", "batch_size", 0, "sft.batch_size"),
         ("eval", "num_prompts", 0, "eval.num_prompts"),
@@ -367,6 +369,39 @@ def test_partial_runs_through_the_app_re_prefilling_past_the_prompt_limit(tmp_pa
     report = audit_lib.audit(str(tmp_path))
     # Tokens of one trajectory from several versions: C1 fails by design, nothing else does.
     assert {rule for rule, ok in report.rules.items() if not ok} == {"C1"}
+
+
+def test_stop_strings_written_as_one_string_are_refused():
+    """A config file's `c.engine.stop_strings = "</answer>"` (a str, not a tuple) would stop at
+    any of its characters if taken as a sequence; a command-line override of the default tuple
+    is refused by ml_collections itself."""
+    config = default.get_config()
+    del config.engine["stop_strings"]
+    config.engine.stop_strings = "</answer>"
+    with pytest.raises(ValueError, match=r"engine\.stop_strings='</answer>'"):
+        app_lib.validate(config)
+
+
+def test_stop_strings_end_rollout_and_held_out_responses_at_their_first_match(tmp_path):
+    """`engine.stop_strings` reach both the rollout's requests and held-out evaluation: every
+    response the reward sees ends at the first stop string in it, and nothing is lost (the
+    audit). The near-untrained policy writes "a" or "b" in about half its responses."""
+    config = default.get_config()
+    config.rollout.update(num_iterations=2, train_batch_size=8, rollout_batch_size=16,
+                          group_size=4)  # fmt: skip
+    config.sft.steps = 2
+    config.engine.update(slots=4, stop_strings=("a", "b"))
+    config.eval.update(num_prompts=8, samples_per_prompt=2)
+    config.reward.update(name="app_rewards:remembers_what_it_scores", isolation="thread")
+    app_rewards.SCORED.clear()
+    app_lib.train_and_evaluate(config, str(tmp_path), progress=False)
+    dispatched = sum(e["event"] == "dispatch" for e in ledger_lib.read(str(tmp_path)))
+    assert len(app_rewards.SCORED) == dispatched + 2 * 8 * 2  # and held-out before and after
+    for text in app_rewards.SCORED:
+        first = min((text.find(s) + 1 for s in "ab" if s in text), default=len(text))
+        assert first == len(text), text  # nothing after the first stop string
+    assert sum(text[-1:] in ("a", "b") for text in app_rewards.SCORED) > 10
+    assert all(audit_lib.audit(str(tmp_path)).rules.values())
 
 
 @given(st.integers(1, 30), st.integers(1, 12), st.integers(1, 200))

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dora_jax.data import tokenizer_lib
+from dora_jax.engine import StopMatcher
 
 ALPHABET = "abcxyz0123456789 \n+=>"
 
@@ -93,3 +94,45 @@ def test_bad_generation_config_stop_ids_are_refused(tmp_path):
         (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": bad}))
         with pytest.raises(ValueError, match="eos_token_id"):
             tokenizer_lib.load_tokenizer(directory)
+
+
+@pytest.fixture(scope="module")
+def byte_level(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bpe")
+    write_hf_tokenizer_dir(directory, {"eos_token": "<|endoftext|>"})
+    return tokenizer_lib.load_tokenizer(directory), transformers.AutoTokenizer.from_pretrained(
+        str(directory)
+    )
+
+
+# Text the byte-level vocabulary covers in merges, in single bytes (multi-byte characters split
+# across tokens) and in special tokens (dropped from the text).
+PIECES = st.sampled_from(["the answer", " is ", "</answer>", "é", "ünï", "🙂", "<|im_end|>", "x"])
+
+
+@settings(max_examples=100, deadline=None)
+@given(pieces=st.lists(PIECES, max_size=12))
+def test_text_stream_gives_the_text_decode_gives(byte_level, pieces):
+    ours, ref = byte_level
+    ids = ours.encode("".join(pieces))
+    stream = ours.text_stream()
+    assert "".join(stream(i) for i in ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+@settings(max_examples=100, deadline=None)
+@given(pieces=st.lists(PIECES, min_size=1, max_size=12), data=st.data())
+def test_stop_strings_end_at_the_first_token_whose_decoded_text_contains_one(
+    byte_level, pieces, data
+):
+    """The engine's stop rule on a real byte-level tokenizer, against transformers' decoding of
+    every prefix: a multi-byte character split across tokens completes only with its last
+    byte, and a stop string may span several tokens."""
+    ours, ref = byte_level
+    ids = ours.encode("".join(pieces))
+    text = ref.decode(ids, skip_special_tokens=True)
+    start = data.draw(st.integers(0, max(len(text) - 1, 0)))
+    stop = text[start : start + data.draw(st.integers(1, 6))] or "</answer>"
+    matcher = StopMatcher(stop_strings=[stop], text_stream=ours.text_stream)
+    got = next((n for n, i in enumerate(ids, 1) if matcher.step(i)), None)
+    prefixes = (ref.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1))
+    assert got == next((n for n, t in enumerate(prefixes, 1) if stop in t), None)

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_models import DENSE, MOE, VOCAB
 
 from dora_jax.engine import (
@@ -17,8 +19,8 @@ from dora_jax.engine import (
     PolicyParams,
     Request,
     SamplingParams,
+    StopMatcher,
     generate_all,
-    stop_reached,
 )
 from dora_jax.models import Functional, create
 
@@ -336,11 +338,15 @@ def test_stop_conditions(dense):
     c = run(stop_sequences=[seq], min_new_tokens=7, max_new_tokens=10)
     expected = (tokens[: ends[0]], "stop") if ends else (tokens, "length")
     assert (c.tokens.tolist(), c.finish_reason) == expected
-    extra = {"detokenize": lambda ids: "".join(chr(ord("a") + i % 26) for i in ids)}
-    stop = extra["detokenize"](tokens[2:5])
+
+    def letters(ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    extra = {"text_stream": lambda: lambda token: letters([token])}
+    stop = letters(tokens[2:5])
     c = run(stop_strings=[stop])
     assert c.finish_reason == "stop" and len(c) <= 5
-    assert stop in extra["detokenize"](c.tokens) and stop not in extra["detokenize"](c.tokens[:-1])
+    assert stop in letters(c.tokens) and stop not in letters(c.tokens[:-1])
 
     # Engine-level default EOS ids apply to requests that carry none.
     eos_engine = _engine(dense.model, sampling=SamplingParams.greedy(), eos_ids=[eos])
@@ -348,18 +354,36 @@ def test_stop_conditions(dense):
     assert (c.tokens.tolist(), c.finish_reason) == (tokens[: first_eos + 1], "eos")
 
 
-def test_stop_reached():
-    r = Request(prompt_tokens=[1], stop_sequences=[[3, 4]], stop_strings=["xy"])
-    detok = lambda ids: "".join("xyz"[i % 3] for i in ids)
-    assert stop_reached(r, [1, 3, 4], detok)
-    assert not stop_reached(r, [3, 1], lambda ids: "zz")
-    assert stop_reached(r, [0, 1], detok)  # "xy"
-    late = Request(prompt_tokens=[1], stop_sequences=[[3, 4]], min_new_tokens=4)
-    assert not stop_reached(late, [3, 4])  # before min_new_tokens
-    assert not stop_reached(late, [1, 3, 4])
-    assert stop_reached(late, [1, 1, 3, 4])
-    with pytest.raises(ValueError, match="detokenize"):
-        stop_reached(r, [5], None)
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 5), max_size=30),
+    sequences=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3), max_size=2),
+    strings=st.lists(st.text("xyz", min_size=1, max_size=4), max_size=2),
+    min_new_tokens=st.integers(0, 8),
+)
+def test_stop_matcher_stops_where_the_brute_force_rule_does(
+    tokens, sequences, strings, min_new_tokens
+):
+    """The streaming matcher against the rule read off the whole response at every length:
+    the first n >= min_new_tokens at which the response ends in a stop sequence or its text
+    contains a stop string. Tokens decode to 0-2 characters, as byte-level ones can."""
+    text = ["", "x", "y", "z", "xy", "zz"]
+    matcher = StopMatcher(sequences, strings, min_new_tokens, lambda: lambda t: text[t])
+    got = next((n for n, t in enumerate(tokens, 1) if matcher.step(t)), None)
+
+    def stops_at(n):
+        ends_in = any(tokens[:n][-len(s) :] == s for s in sequences if len(s) <= n)
+        return ends_in or any(s in "".join(text[t] for t in tokens[:n]) for s in strings)
+
+    want = next((n for n in range(1, len(tokens) + 1) if n >= min_new_tokens and stops_at(n)), None)
+    assert got == want
+
+
+def test_stop_strings_need_a_text_stream():
+    with pytest.raises(ValueError, match="text stream"):
+        StopMatcher(stop_strings=["x"])
+    with pytest.raises(ValueError, match="non-empty"):
+        StopMatcher(stop_strings=[""], text_stream=lambda: str)
 
 
 def test_free_slot_aborts_and_allows_refill(dense):

@@ -1,4 +1,5 @@
-"""A rollout instance on the real engine: what it sends the engine when it re-prefills."""
+"""A rollout instance on the real engine: what it sends the engine when it re-prefills, and how
+a stop string ends a request inside a multi-step call."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import numpy as np
 from flax import nnx
 from tiny_models import DENSE
 
-from dora_jax.engine import Engine
+from dora_jax.engine import Engine, generate_all
+from dora_jax.engine import Request as EngineRequest
 from dora_jax.models import create
 from dora_jax.rollout.instance_lib import RolloutInstance
 from dora_jax.rollout.request_lib import PromptSpec, Request
@@ -36,3 +38,45 @@ def test_a_re_prefilled_request_does_not_reuse_its_first_tokens_random_draws():
     assert x.collect()[0] == [request] and len(request.tokens) == 8
     assert request.tokens[4:] != request.tokens[:4]
     assert np.allclose(request.logprobs, np.log(1 / DENSE.vocab_size), atol=1e-5)  # uniform
+
+
+def test_a_stop_string_ends_a_request_mid_call_and_frees_its_slot_for_the_next():
+    """A stop string completed inside a multi-step call ends the request there: its tokens and
+    log-probs are the free run's up to the first token whose text contains the stop string
+    (the engine keys token i on (seed, i), so the free run is the reference), and the slot
+    takes a new request, which decodes as it does alone (an engine slot left decoding would
+    refuse it)."""
+    model = create(DENSE, seed=0)
+    engine = Engine(model, max_concurrent_decodes=2, max_prefill_length=16, max_decode_length=12)
+    params = engine.load_params(0)
+    letters = "abcdefgh"
+
+    def text(ids):
+        return "".join(letters[i % len(letters)] for i in ids)
+
+    prompt = np.asarray([3, 7, 11], np.int32)
+    (free,) = generate_all(engine, params, [EngineRequest(prompt, max_new_tokens=12, seed=5)])
+    stop = text(free.tokens[2:4])
+    ends = next(n for n in range(1, 13) if stop in text(free.tokens[:n]))
+    assert ends <= 4
+    spec = PromptSpec(
+        0, prompt, (12,), stop_strings=(stop,), text_stream=lambda: lambda t: text([t])
+    )
+    x = RolloutInstance(0, engine)
+    x.load(0, params.state)
+    request = Request(spec, sample_index=0, seed=5, version=0)
+    x.dispatch_prefill([(request, 1)])
+    x.dispatch_generate(8)
+    finished, busy = x.collect()
+    assert finished == [request] and x.free() == [0, 1] and not request.truncated
+    assert request.tokens == free.tokens[:ends].tolist()
+    np.testing.assert_allclose(request.logprobs, free.logprobs[:ends], atol=1e-5)
+    assert busy == [1] * (ends - 1)  # the first token came with the prefill
+
+    other = PromptSpec(1, np.asarray([9, 4], np.int32), (6,))
+    (alone,) = generate_all(engine, params, [EngineRequest(other.tokens, max_new_tokens=6, seed=8)])
+    nxt = Request(other, sample_index=0, seed=8, version=0)
+    x.dispatch_prefill([(nxt, 1)])
+    x.dispatch_generate(8)
+    assert x.collect()[0] == [nxt]
+    assert nxt.tokens == alone.tokens.tolist()

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import ml_collections
 from rollout_doubles import EngineDouble, TrainerDouble
@@ -26,6 +28,7 @@ def make_rollout(
     checkpoint_every: int = 0,
     on_checkpoint=None,
     resume: dict | None = None,
+    stop_strings: tuple[str, ...] = (),  # matched on the tokens' text as `double_text` gives it
     **config,
 ) -> tuple[runner_lib.Rollout, TrainerDouble, list[EngineDouble]]:
     cfg = RolloutConfig(**config)
@@ -49,6 +52,11 @@ def make_rollout(
         median_length=median_length,
         max_length=max_length,
     )
+    if stop_strings:
+        forced = prompts
+        prompts = lambda i: dataclasses.replace(  # noqa: E731
+            forced(i), stop_strings=stop_strings, text_stream=lambda: double_text
+        )
     rollout = runner_lib.Rollout(
         cfg,
         engines,
@@ -61,6 +69,15 @@ def make_rollout(
         resume=resume,
     )
     return rollout, trainer, engines
+
+
+# The text of the double's tokens, for stop strings: some tokens are two characters and some
+# none (a byte-level token that ends in the middle of a character), as with real tokenizers.
+TOKEN_TEXT = ("", "a", "b", "c", "d", "ab")
+
+
+def double_text(token: int) -> str:
+    return TOKEN_TEXT[token % len(TOKEN_TEXT)]
 
 
 def bench_schedule(config: ml_collections.ConfigDict, entry: str, workdir: str) -> dict[str, float]:

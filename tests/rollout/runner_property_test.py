@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rollout_doubles import token_at, version_of
-from rollout_harness import make_rollout
+from rollout_harness import double_text, make_rollout
 
 from dora_jax.rollout import audit_lib, ledger_lib, telemetry_lib
 
@@ -41,6 +41,7 @@ def setups(draw, modes=MODES):
         decode_steps_per_turn=draw(st.sampled_from([1, 1, 2, 4])),
         median_length=draw(st.integers(2, 10)),
         seed=draw(st.integers(0, 1000)),
+        stop_strings=draw(st.sampled_from([(), (), ("abc",), ("ba", "dd")])),
     )
 
 
@@ -62,6 +63,10 @@ def _assert_every_sample_is_somewhere_once(rollout, trainer, workdir):
     for key in {(e["prompt_id"], e["sample_index"]) for e in events if e["event"] == "dispatch"}:
         places = (key in trained) + (key in in_slots) + (key in pending) + (key in queued)
         assert places == 1, (key, key in trained, key in in_slots, key in pending, key in queued)
+
+
+def _has(stop_strings: tuple[str, ...], text: list[str]) -> bool:
+    return any(s in "".join(text) for s in stop_strings)
 
 
 PROPS = settings(
@@ -93,6 +98,14 @@ def test_every_mode_terminates_and_keeps_the_rules(tmp_path_factory, setup):
             seed = rollout.seed_of(t.prompt_id, t.sample_index)
             ref = [token_at(seed, i) for i in range(len(t.response_tokens))]
             assert t.response_tokens.tolist() == ref
+    for t in trained:  # a stop string ends a response at its first match, and only there
+        text = [double_text(x) for x in t.response_tokens.tolist()]
+        ends = [n for n in range(1, len(text) + 1) if _has(setup["stop_strings"], text[:n])]
+        limit = rollout.prompts(t.prompt_id).max_new_tokens[t.sample_index]
+        if ends:
+            assert ends[0] == len(text) and not t.truncated
+        else:
+            assert len(text) == limit and t.truncated
     _assert_every_sample_is_somewhere_once(rollout, trainer, workdir)
     # The audit agrees with the runtime's and the trainer's own counters.
     assert report.trained == rollout.totals["trained"] == len(trained)
