@@ -2,10 +2,18 @@
 
 from dora_jax.models.config_lib import SUPPORTED_ARCHITECTURES, ModelConfig
 from dora_jax.models.hf_io import from_pretrained, read_config, save_pretrained
-from dora_jax.models.model_lib import ForwardOutput, Functional, KVCache, Transformer, create
+from dora_jax.models.model_lib import (
+    REMAT_POLICIES,
+    ForwardOutput,
+    Functional,
+    KVCache,
+    Transformer,
+    create,
+)
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "REMAT_POLICIES",
     "ForwardOutput",
     "Functional",
     "KVCache",

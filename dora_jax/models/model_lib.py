@@ -56,6 +56,19 @@ def _replace_at(items: tuple[jax.Array, ...], i: int, item: jax.Array) -> tuple[
     return (*items[:i], item, *items[i + 1 :])
 
 
+# What the backward pass keeps of each decoder layer's forward (`forward(remat=...)`): "none"
+# keeps every activation; "full" keeps only the layer's input and recomputes the rest, cutting
+# activation memory to about one layer's worth plus a residual per layer, for about a third
+# more compute; "dots" keeps the matmul outputs and recomputes the cheap element-wise ops
+# around them (norms, activations, softmax). Long RL responses need one of the two on
+# accelerators: activations grow with batch x sequence x layers, weights do not.
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 class ForwardOutput(NamedTuple):
     logits: jax.Array  # [batch, seq, vocab], float32
     cache: KVCache | None
@@ -291,17 +304,27 @@ class Transformer(nnx.Module):
         positions: jax.Array,
         cache: KVCache | None = None,
         logits_at: jax.Array | None = None,
+        remat: str = "none",
     ) -> ForwardOutput:
         """Runs `tokens` [batch, seq] at `positions` [batch, seq], reading/writing `cache`.
 
         `logits_at` [batch] picks one sequence index per row to apply the output head at
         (logits [batch, 1, vocab]): a prefill needs only the last prompt token's logits, and
-        [batch, seq, vocab] in float32 is gigabytes at real vocabulary sizes.
+        [batch, seq, vocab] in float32 is gigabytes at real vocabulary sizes. `remat` names a
+        `REMAT_POLICIES` entry for the layers of a forward that is differentiated (no cache).
         """
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={remat!r} is not one of {sorted(REMAT_POLICIES)}")
         x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)
         loads = []
         for i, layer in enumerate(self.layers):
-            x, cache, load = layer(x, positions, cache, i)
+            if remat == "none" or cache is not None:
+                x, cache, load = layer(x, positions, cache, i)
+            else:
+                run = nnx.remat(
+                    _layer_without_cache, policy=REMAT_POLICIES[remat], static_argnums=3
+                )
+                x, load = run(layer, x, positions, i)
             if load is not None:
                 loads.append(load)
         if logits_at is not None:
@@ -311,6 +334,13 @@ class Transformer(nnx.Module):
         logits = x @ head.astype(jnp.float32)
         expert_load = jnp.stack(loads) if loads else jnp.zeros((0, 0), jnp.int32)
         return ForwardOutput(logits, cache, expert_load)
+
+
+def _layer_without_cache(
+    layer: DecoderLayer, x: jax.Array, positions: jax.Array, index: int
+) -> tuple[jax.Array, jax.Array | None]:
+    out, _, load = layer(x, positions, None, index)
+    return out, load
 
 
 def create(config: ModelConfig, seed: int = 0, **kwargs: Any) -> Transformer:
@@ -353,8 +383,10 @@ class Functional:
         positions: jax.Array,
         cache: KVCache | None = None,
         logits_at: jax.Array | None = None,
+        remat: str = "none",
     ) -> ForwardOutput:
-        return nnx.merge(self.graphdef, params).forward(tokens, positions, cache, logits_at)
+        model = nnx.merge(self.graphdef, params)
+        return model.forward(tokens, positions, cache, logits_at, remat=remat)
 
     def logits(self, params: Any, input_ids: jax.Array) -> jax.Array:
         return nnx.merge(self.graphdef, params)(input_ids)

@@ -12,6 +12,7 @@ from typing import Any
 import ml_collections
 
 from dora_jax.config_fields_lib import dataclass_section, from_fields, is_count
+from dora_jax.models.model_lib import REMAT_POLICIES
 from dora_jax.train import advantage_lib, loss_lib
 
 SCHEDULES = ("constant", "cosine")
@@ -32,6 +33,10 @@ class TrainConfig:
     # Sequences (prompt + response) are padded to the smallest bucket that holds them; longer
     # ones to a multiple of the largest bucket.
     length_buckets: tuple[int, ...] = (32, 128, 512, 2048, 8192)
+    # What the backward pass keeps of each decoder layer (`models.REMAT_POLICIES`): "none",
+    # "full" (recompute the layer from its input) or "dots" (keep the matmul outputs). Long
+    # responses on an accelerator need "full" or "dots" to fit the activations.
+    remat: str = "none"
 
     # Optimizer: AdamW, linear warmup, then constant or cosine decay; global-norm clipping.
     learning_rate: float = 1e-6
@@ -91,6 +96,8 @@ class TrainConfig:
             _fail("length_buckets", f"{self.length_buckets} must be non-empty and positive")
         if tuple(sorted(self.length_buckets)) != tuple(self.length_buckets):
             _fail("length_buckets", f"{self.length_buckets} must be sorted ascending")
+        if self.remat not in REMAT_POLICIES:
+            _fail("remat", f"{self.remat!r} is not one of {sorted(REMAT_POLICIES)}")
         if self.schedule not in SCHEDULES:
             _fail("schedule", f"{self.schedule!r} is not one of {SCHEDULES}")
         if not 0.0 <= self.min_learning_rate_ratio <= 1.0:

@@ -430,7 +430,9 @@ def _accumulate(
     params = jax.tree.unflatten(treedef, param_leaves)
 
     def loss_fn(params):
-        logits = fn.forward(params, inputs["tokens"], inputs["positions"]).logits
+        logits = fn.forward(
+            params, inputs["tokens"], inputs["positions"], remat=config.remat
+        ).logits
         logp, entropy = loss_lib.token_logprobs(logits, inputs["targets"])
         loss, sums = loss_lib.policy_loss(
             logp,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from train_fixtures import random_batch, tiny_model
 
-from dora_jax.models import Functional, sharding_lib
+from dora_jax.models import Functional, Transformer, sharding_lib
 from dora_jax.train import TrainConfig, Trainer
 
 MESH = sharding_lib.make_mesh(jax.devices()[:1], 1, 1)
@@ -84,7 +84,7 @@ def _reference_grads(model, batch, config):
     return jax.jit(jax.grad(loss))(params)
 
 
-def test_update_equals_reference_gradient_with_and_without_accumulation():
+def test_update_equals_reference_gradient_with_and_without_accumulation(monkeypatch):
     # AdamW's first step is -lr * g / (|g| + eps); with eps >> |g| it is a linear function of
     # the gradient, so the parameter change exposes the gradient itself.
     config = dataclasses.replace(BASE, learning_rate=1e3, adam_eps=1e3, max_grad_norm=None)
@@ -94,14 +94,24 @@ def test_update_equals_reference_gradient_with_and_without_accumulation():
     for t, lp in zip(batch, logp, strict=True):  # behaviour off the policy: some tokens clip
         t.behaviour_logprobs = (lp + rng.uniform(-0.3, 0.3, len(lp))).astype(np.float32)
     grads = _host(_reference_grads(tiny_model(), batch, config))
-    for micro in (None, 2):
-        trainer = Trainer(tiny_model(), dataclasses.replace(config, micro_batch_size=micro), MESH)
+    forward = Transformer.forward
+    remats = []
+
+    def spy(self, *args, remat="none", **kwargs):  # `train.remat` reaches the model
+        remats.append(remat)
+        return forward(self, *args, remat=remat, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", spy)
+    for micro, remat in ((None, "none"), (2, "none"), (2, "full")):
+        trainer = Trainer(tiny_model(), dataclasses.replace(config, micro_batch_size=micro,
+                                                            remat=remat), MESH)  # fmt: skip
         before = _host(trainer.params)
         m = trainer.step(batch)
         assert m["clip_fraction/clip_low"] + m["clip_fraction/clip_high"] > 0
         for b, a, g in zip(before, _host(trainer.params), grads, strict=True):
             want = -config.learning_rate * g / (np.abs(g) + config.adam_eps)
             np.testing.assert_allclose(a - b, want, rtol=2e-3, atol=2e-6, err_msg=str(micro))
+    assert "full" in remats
 
 
 def test_non_finite_loss_skips_the_update_bit_for_bit():
