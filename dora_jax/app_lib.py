@@ -899,6 +899,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
 _RESUMABLE_CHANGES = (
     "compilation_cache_dir", "num_cpu_devices", "rollout.num_iterations", "runtime.", "eval.",
     "checkpoint.", "sft.", "engine.slots", "reward.isolation", "reward.workers",
+    "train.remat",  # what the backward pass keeps, not what it computes: on after an OOM
     "model.qk_norm",  # implied by model.architecture (ModelConfig refuses any other value)
 )  # fmt: skip
 
