@@ -458,6 +458,12 @@ def _checkpointer(config: ml_collections.ConfigDict, workdir: str) -> Checkpoint
     return Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
 
 
+# The params' dtype whatever `model.dtype` computes in: the optimizer's updates land on float32
+# master weights. In bfloat16 (8 bits of mantissa) an update smaller than about 1/256 of a weight
+# rounds away, and RL's ~1e-6 learning rates are far below that: the policy would not move.
+PARAM_DTYPE = jnp.float32
+
+
 def load_policy(
     config: ml_collections.ConfigDict, vocab_size: int, mesh: jax.sharding.Mesh
 ) -> models.Transformer:
@@ -471,10 +477,12 @@ def load_policy(
     dtype = _DTYPES[config.model.dtype]
     mesh = _this_process_part(mesh)
     if config.model.checkpoint:
-        return models.from_pretrained(config.model.checkpoint, dtype=dtype, mesh=mesh)
+        return models.from_pretrained(
+            config.model.checkpoint, dtype=dtype, param_dtype=PARAM_DTYPE, mesh=mesh
+        )
     shape = {k: v for k, v in config.model.items() if k in _MODEL_SHAPE_FIELDS}
     model_config = models.ModelConfig(vocab_size=vocab_size, **shape)
-    model = models.create(model_config, seed=config.seed, param_dtype=dtype, dtype=dtype)
+    model = models.create(model_config, seed=config.seed, param_dtype=PARAM_DTYPE, dtype=dtype)
     return sharding_lib.shard_model(model, mesh)
 
 
@@ -662,7 +670,7 @@ def start_generation_hosts(
         _engine_settings(config, eos_ids),
         devices=config.runtime.devices_per_instance,
         tp=config.runtime.instance_tp,
-        model_kwargs={"param_dtype": dtype, "dtype": dtype},
+        model_kwargs={"param_dtype": PARAM_DTYPE, "dtype": dtype},
     )
     timeout_s = config.runtime.host_timeout_s
     if hosts[0] == "local":

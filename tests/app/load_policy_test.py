@@ -5,6 +5,7 @@ as the checkpoint's / as `models.create`'s."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -12,6 +13,8 @@ from flax import nnx
 from configs import default
 from dora_jax import app_lib, models
 from dora_jax.models import sharding_lib
+from dora_jax.rollout.trajectory_lib import Trajectory
+from dora_jax.train import TrainConfig, Trainer
 
 VOCAB = 40
 
@@ -39,3 +42,44 @@ def test_policy_lands_on_the_training_mesh(tmp_path, from_checkpoint):
         config.model.checkpoint = str(tmp_path)
     mesh = sharding_lib.make_mesh(jax.devices()[:4], fsdp=2, tp=2)
     _check_on_mesh(app_lib.load_policy(config, VOCAB, mesh), reference, mesh)
+
+
+@pytest.mark.parametrize("from_checkpoint", [True, False], ids=["checkpoint", "random"])
+def test_bfloat16_computes_in_bfloat16_and_trains_float32_master_weights(tmp_path, from_checkpoint):
+    """`model.dtype="bfloat16"` held the params themselves in bfloat16, where an update of
+    ~lr = 1e-6 rounds away (a weight of 0.02 has a spacing of ~1e-4): one AdamW step moved
+    almost no parameter, so RL at the recipe's learning rate did nothing. The master weights
+    are float32 now, and one step moves nearly every one of them."""
+    config = default.get_config()
+    config.model.dtype = "bfloat16"
+    if from_checkpoint:
+        shape = {k: v for k, v in config.model.items() if k not in ("checkpoint", "dtype")}
+        bf16 = models.create(
+            models.ModelConfig(vocab_size=VOCAB, **shape), param_dtype=jnp.bfloat16
+        )
+        models.save_pretrained(bf16, str(tmp_path))  # a bfloat16 checkpoint, as HF's are
+        config.model.checkpoint = str(tmp_path)
+    mesh = sharding_lib.make_mesh(jax.devices()[:1], fsdp=1, tp=1)
+    model = app_lib.load_policy(config, VOCAB, mesh)
+    assert model.dtype == jnp.bfloat16
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {np.dtype("float32")}
+    trainer = Trainer(model, TrainConfig(tbs=4, group_size=4, learning_rate=1e-6), mesh)
+    rng = np.random.default_rng(0)
+    batch = [
+        Trajectory(
+            prompt_id=0,
+            sample_index=i,
+            prompt_tokens=rng.integers(0, VOCAB, 5).astype(np.int32),
+            response_tokens=rng.integers(0, VOCAB, 9).astype(np.int32),
+            behaviour_logprobs=np.full(9, -3.7, np.float32),
+            version=0,
+            token_versions=np.zeros(9, np.int32),
+            reward=float(i % 2),
+        )
+        for i in range(4)
+    ]
+    before = jax.device_get(jax.tree.leaves(trainer.params))
+    trainer.step(batch)
+    after = jax.device_get(jax.tree.leaves(trainer.params))
+    moved = sum(int((a != b).sum()) for a, b in zip(after, before, strict=True))
+    assert moved > 0.9 * sum(a.size for a in after)
