@@ -303,6 +303,8 @@ class Trainer:
             - sum(len(t.prompt_tokens) + len(t.response_tokens) for t in samples) / padded,
             "reward_mean": float(rewards.mean()),
             "response_length_mean": float(np.mean([len(t.response_tokens) for t in samples])),
+            # verl's response_length/clip_ratio: samples cut off by the length limit.
+            "truncated_fraction": float(np.mean([t.truncated for t in samples])),
             "masked_truncated": float(
                 sum(t.truncated for t in samples) if cfg.mask_truncated else 0
             ),

@@ -254,7 +254,7 @@ def test_truncated_samples_are_masked_out():
             t.response_tokens = np.random.RandomState(seed).randint(0, 16, len(t.response_tokens))
             t.behaviour_logprobs = np.full(len(t.response_tokens), -9.0 * seed, np.float32)
         m = trainer.step(batch)
-        assert m["masked_truncated"] == 2
+        assert m["masked_truncated"] == 2 and m["truncated_fraction"] == 2 / 8
         results.append(_host(trainer.params))
     for a, b in zip(*results, strict=True):
         np.testing.assert_array_equal(a, b)
