@@ -847,7 +847,10 @@ def _train_and_evaluate(
     runner.close()
     nnx.update(model, trained)
     models.save_pretrained(
-        model, os.path.join(workdir, "hf_policy"), source=config.model.checkpoint or None
+        model,
+        os.path.join(workdir, "hf_policy"),
+        source=config.model.checkpoint or None,
+        dtype=_DTYPES[config.model.dtype],  # what the engines ran (and `eval` scored)
     )
     records = metrics_lib.read_metrics(workdir)
     trained_tokens = sum(r.get("trained_tokens", 0.0) for r in records)

@@ -179,6 +179,10 @@ class Engine:
             raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
         self.config = model.config
         self._model = model
+        # Decoding never updates the params, so they are held in the dtype the model computes
+        # in: a bfloat16 model's decode steps read, and its versions move, half the bytes of the
+        # trainer's float32 master weights (and compute exactly as with those, cast at use).
+        self.param_dtype = np.dtype(model.dtype)
         self._fn, state = Functional.of(model)
         self._slots = int(max_concurrent_decodes)
         self._max_prefill_length = int(max_prefill_length)
@@ -293,9 +297,11 @@ class Engine:
         return self._param_shardings
 
     def shard_params(self, state: Any, version: int) -> PolicyParams:
-        """Places a params state (same structure as the model's) on the engine's mesh."""
+        """Places a params state (same structure as the model's) on the engine's mesh, in the
+        engine's `param_dtype`."""
         return PolicyParams(
-            transfer_lib.put(state, self._param_shardings).tree, version=int(version)
+            transfer_lib.put(state, self._param_shardings, dtype=self.param_dtype).tree,
+            version=int(version),
         )
 
     # ---- decode state ---------------------------------------------------------------------

@@ -245,6 +245,7 @@ def save_pretrained(
     *,
     source: str | None = None,
     max_shard_bytes: int = 4 * 1024**3,
+    dtype: Any = None,
 ) -> None:
     """Writes `config.json` and safetensors shards (with an index when more than one) to `path`,
     replacing any weights an earlier save left there (a stale shard set would otherwise be read
@@ -253,6 +254,8 @@ def save_pretrained(
     `source`, the Hugging Face directory the model was loaded from, makes the result a drop-in
     replacement for it: config.json keeps the source's keys that are not the architecture's
     (bos / eos / pad token ids, ...) and its tokenizer and generation files are copied.
+    `dtype` (None: the params' own) is the tensors' dtype on disk: a bfloat16 model trained on
+    float32 master weights is written as the bfloat16 it computes with, the source's size.
     """
     os.makedirs(path, exist_ok=True)
     config: dict[str, Any] = {}
@@ -265,6 +268,8 @@ def save_pretrained(
                 shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
     config.update(model.config.to_hf_dict())
     dtypes = {str(x.dtype) for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
+    if dtype is not None:
+        dtypes = {str(np.dtype(dtype))}
     config["torch_dtype"] = "bfloat16" if dtypes == {"bfloat16"} else "float32"
     for name in os.listdir(path):
         if name in (_SINGLE, _INDEX) or _SHARD.fullmatch(name):
@@ -277,6 +282,8 @@ def save_pretrained(
         # Gathered into host memory, tensor by tensor, never whole onto one device (the mirror
         # of `from_pretrained`); numpy writes bfloat16 through ml_dtypes, which jax imports.
         array = np.ascontiguousarray(jax.device_get(value))
+        if dtype is not None:
+            array = array.astype(dtype)
         if shards[-1] and size + array.nbytes > max_shard_bytes:
             shards.append({})
             size = 0

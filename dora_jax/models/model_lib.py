@@ -85,19 +85,28 @@ def _ones(shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any):
     return nnx.Param(jnp.ones(shape, dtype), logical_axes=axes)
 
 
+def _as_computed(weight: nnx.Param, dtype: Any) -> jax.Array:
+    """A weight used in float32 math (norms, the router, the output head), as the model computes
+    it: rounded to the compute `dtype` first, like every weight a matmul of the model casts. So
+    params stored in the compute dtype (a generation engine's copy) compute exactly as float32
+    master weights (the trainer's) do, and the behaviour log-probs match the trainer's."""
+    return weight[...].astype(dtype).astype(jnp.float32)
+
+
 def _zeros(shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any):
     return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, param_dtype: Any):
+    def __init__(self, dim: int, eps: float, param_dtype: Any, dtype: Any):
         self.weight = _ones((dim,), ("norm",), param_dtype)
         self.eps = eps
+        self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return (normed * _as_computed(self.weight, self.dtype)).astype(x.dtype)
 
 
 class Linear(nnx.Module):
@@ -134,8 +143,8 @@ class Attention(nnx.Module):
         self.k_proj = Linear(rngs, h, kv_dim, ("embed", "kv_heads"), bias=c.attention_bias, **kw)
         self.v_proj = Linear(rngs, h, kv_dim, ("embed", "kv_heads"), bias=c.attention_bias, **kw)
         self.o_proj = Linear(rngs, q_dim, h, ("q_heads", "embed"), bias=c.attention_out_bias, **kw)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype) if c.qk_norm else None
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype, dtype) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype, dtype) if c.qk_norm else None
         inv_freq, self.attention_factor = rope_lib.inverse_frequencies(
             c.head_dim, c.rope_theta, c.rope_scaling_dict, c.max_position_embeddings
         )
@@ -222,7 +231,7 @@ class MoE(nnx.Module):
         c = self.config
         shape = x.shape
         tokens = x.reshape(-1, shape[-1]).astype(self.dtype)
-        router_logits = tokens.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+        router_logits = tokens.astype(jnp.float32) @ _as_computed(self.router, self.dtype)
         gates = jax.nn.softmax(router_logits, axis=-1)
         weights, experts = jax.lax.top_k(gates, c.num_experts_per_tok)  # [n, k]
         if c.norm_topk_prob:
@@ -247,9 +256,9 @@ class MoE(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, c: ModelConfig, layer: int, rngs: nnx.Rngs, param_dtype: Any, dtype: Any):
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype, dtype)
         self.self_attn = Attention(c, rngs, param_dtype, dtype)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype, dtype)
         if c.is_moe_layer(layer):
             self.mlp = MoE(c, rngs, param_dtype, dtype)
         else:
@@ -287,7 +296,7 @@ class Transformer(nnx.Module):
         self.layers = nnx.List(
             [DecoderLayer(c, i, rngs, param_dtype, dtype) for i in range(c.num_layers)]
         )
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype, dtype)
         self.lm_head = (
             None
             if c.tie_word_embeddings
@@ -330,8 +339,9 @@ class Transformer(nnx.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         x = self.norm(x).astype(jnp.float32)
-        head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
-        logits = x @ head.astype(jnp.float32)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        head = _as_computed(head, self.dtype)
+        logits = x @ (head.T if self.lm_head is None else head)
         expert_load = jnp.stack(loads) if loads else jnp.zeros((0, 0), jnp.int32)
         return ForwardOutput(logits, cache, expert_load)
 

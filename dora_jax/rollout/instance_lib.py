@@ -79,7 +79,7 @@ class RolloutInstance:
         if self.active():
             raise RuntimeError(f"{self.name}: cannot switch versions with requests in its slots")
         self.params = None
-        moved = transfer_lib.put(state, self.engine.param_shardings)
+        moved = transfer_lib.put(state, self.engine.param_shardings, dtype=self.engine.param_dtype)
         self.params = PolicyParams(moved.tree, version=version)
         self.version = version
         return moved.seconds, moved.nbytes

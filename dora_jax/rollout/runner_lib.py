@@ -109,8 +109,9 @@ class Rollout:
         self.telemetry = Telemetry([x.num_slots for x in self.instances], self.trace)
         # Trainer copies of published versions that no instance holds yet (version 0: the
         # initial params, copied before the trainer's first step donates them).
+        shardings, dtype = _staging(self.instances[0])
         self.staged: dict[int, Any] = {
-            0: transfer_lib.put(trainer.params, _staging(self.instances[0]), copy=True).tree
+            0: transfer_lib.put(trainer.params, shardings, copy=True, dtype=dtype).tree
         }
         self.tick = 0  # decode steps so far
         self._timer_tick = 0  # when the orchestrator's timer fires next
@@ -446,7 +447,7 @@ class Rollout:
         return max(job.handed_tick, self._last_publish_tick) + self.config.publish_delay_steps
 
     def _train_step(
-        self, batch: list[Trajectory], iteration: int, staging: Any
+        self, batch: list[Trajectory], iteration: int, staging: tuple[Any, Any]
     ) -> tuple[dict[str, float], float, float, Any]:
         """The trainer's step, then its new version's copy for the instances, back to back on
         the worker while the controller decodes; `_publish` takes the version up later."""
@@ -455,7 +456,7 @@ class Rollout:
         t0 = self.trace.now_us()
         metrics = self.trainer.step(batch)
         t1 = self.trace.now_us()
-        return metrics, t0, t1, self.trainer.publish(staging)
+        return metrics, t0, t1, self.trainer.publish(*staging)
 
     def _publish(self) -> None:
         job = self._jobs[0]
@@ -583,12 +584,13 @@ class Rollout:
         self.trace.save(os.path.join(self.workdir, TRACE_FILE))
 
 
-def _staging(x: RolloutInstance) -> Any:
-    """Where a new version waits for its instances: on `x`'s mesh, so that loading it there is
-    free, unless `x` is a generation host of its own, which could die with the only copy; then
-    where the trainer's params are (None), from where any host can load it."""
+def _staging(x: RolloutInstance) -> tuple[Any, Any]:
+    """Where a new version waits for its instances, and in what dtype: on `x`'s mesh, so that
+    loading it there is free, unless `x` is a generation host of its own, which could die with
+    the only copy; then where the trainer's params are (None), from where any host can load it.
+    In the instances' dtype either way (`Engine.param_dtype`)."""
     shardings = x.engine.param_shardings
-    return None if isinstance(shardings, RemoteTarget) else shardings
+    return (None if isinstance(shardings, RemoteTarget) else shardings), x.engine.param_dtype
 
 
 def _kv_capacity(x: RolloutInstance) -> int:

@@ -104,6 +104,7 @@ def serve(connection: Any, spec: EngineSpec) -> None:
                 "max_decode_length",
                 "cache_length",
                 "prefill_buckets",
+                "param_dtype",
             )
         }
     )
@@ -139,7 +140,9 @@ def _policy(engine, held, params, version):
 def _load(engine, held, handle, host_tree):
     from dora_jax.runtime import transfer_lib
 
-    held[handle] = transfer_lib.put(host_tree, engine.param_shardings).tree
+    held[handle] = transfer_lib.put(
+        host_tree, engine.param_shardings, dtype=engine.param_dtype
+    ).tree
     return None
 
 
@@ -274,6 +277,7 @@ class RemoteEngine:
         self.max_decode_length = settings["max_decode_length"]
         self.cache_length = settings["cache_length"]
         self.prefill_buckets = settings["prefill_buckets"]
+        self.param_dtype = settings["param_dtype"]
         self.param_shardings = RemoteTarget(self)
 
     # -- transport --

@@ -82,11 +82,11 @@ class TrainerProcess:
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         return self._call("step", list(trajectories))
 
-    def publish(self, target_shardings: Any | None = None) -> Any:
+    def publish(self, target_shardings: Any | None = None, dtype: Any = None) -> Any:
         # Imported here: the child imports this module before it may start JAX.
         from dora_jax.train.trainer_lib import publish_from_host
 
-        published = publish_from_host(lambda: self._call("publish"), target_shardings)
+        published = publish_from_host(lambda: self._call("publish"), target_shardings, dtype)
         self._version = published.version
         return published
 

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from dora_jax.runtime.hosts_lib import HostHandle, RemoteTarget
 
@@ -38,12 +39,26 @@ def tree_nbytes(tree: Any) -> int:
     return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)))
 
 
-def put(tree: Any, shardings: Any, *, copy: bool = False) -> Transfer:
+def cast(tree: Any, dtype: Any) -> Any:
+    """`tree` with its floating-point leaves (JAX or NumPy arrays) in `dtype` (None: as they
+    are). A JAX array is cast where it lives, so what moves afterwards is the smaller copy."""
+
+    def one(x: Any) -> Any:
+        if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+            return x
+        return x.astype(dtype)
+
+    return jax.tree.map(one, tree)
+
+
+def put(tree: Any, shardings: Any, *, copy: bool = False, dtype: Any = None) -> Transfer:
     """Places `tree` with `shardings` (a matching pytree) and waits until it is there.
 
     `copy=True` always makes fresh buffers: the trainer donates its params to its next step, so
     a published version must not alias them. Without it, leaves already placed as asked are
     reused, which makes loading a version the trainer published straight onto this mesh free.
+    `dtype` casts floating-point leaves before they move (`cast`): a generation engine holds
+    its params in the dtype it computes in, not in the trainer's float32.
     """
     start = time.perf_counter()
     remote = isinstance(shardings, RemoteTarget)
@@ -54,6 +69,7 @@ def put(tree: Any, shardings: Any, *, copy: bool = False) -> Transfer:
             tree = tree.fetch()
         except Exception as e:
             raise SourceError(f"{tree.engine.name}: could not read its params ({e})") from e
+    tree = cast(tree, dtype)
     if remote:
         placed = shardings.engine.place(jax.device_get(tree))
     else:

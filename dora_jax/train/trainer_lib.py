@@ -61,19 +61,23 @@ class TrainerLike(Protocol):
 
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]: ...
 
-    def publish(self, target_shardings: Any | None = None) -> Published: ...
+    def publish(self, target_shardings: Any | None = None, dtype: Any = None) -> Published: ...
 
 
 def publish_from_host(
-    publish: Callable[[], tuple[Any, int, dict[str, float]]], target_shardings: Any | None
+    publish: Callable[[], tuple[Any, int, dict[str, float]]],
+    target_shardings: Any | None,
+    dtype: Any = None,
 ) -> Published:
     """A version published by a trainer in another process, which hands back host arrays:
-    placed on `target_shardings` when given (else left on host), its `publish_seconds` the whole
-    trip (the other side's copy, the pipe, the placing)."""
+    placed on `target_shardings` when given (else left on host), cast to `dtype`, its
+    `publish_seconds` the whole trip (the other side's copy, the pipe, the placing)."""
     start = time.perf_counter()
     params, version, metrics = publish()
     if target_shardings is not None:
-        params = transfer_lib.put(params, target_shardings).tree
+        params = transfer_lib.put(params, target_shardings, dtype=dtype).tree
+    else:
+        params = transfer_lib.cast(params, dtype)
     return Published(params, version, {**metrics, "publish_seconds": time.perf_counter() - start})
 
 
@@ -325,14 +329,16 @@ class Trainer:
         metrics["step_seconds"] = time.perf_counter() - start
         return metrics
 
-    def publish(self, target_shardings: Any | None = None) -> Published:
+    def publish(self, target_shardings: Any | None = None, dtype: Any = None) -> Published:
         """Ends the iteration: version v -> v + 1; returns a copy of the params placed on
         `target_shardings` (e.g. `sharding_lib.param_shardings(trainer.params, gen_mesh)`),
-        or on the training mesh when None."""
+        or on the training mesh when None, in `dtype` (None: float32, as trained; a bfloat16
+        engine's copy is cast here, before it moves)."""
         moved = transfer_lib.put(
             self._params,
             self._shardings if target_shardings is None else target_shardings,
             copy=True,
+            dtype=dtype,
         )
         self._version += 1
         if self.config.tis_cap is not None:
@@ -516,6 +522,6 @@ class MirroredTrainer:
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         return self._trainer.call("step", list(trajectories))
 
-    def publish(self, target_shardings: Any | None = None) -> Published:
+    def publish(self, target_shardings: Any | None = None, dtype: Any = None) -> Published:
         """As `Trainer.publish`; with `target_shardings` None the version stays on host."""
-        return publish_from_host(lambda: self._trainer.call("publish"), target_shardings)
+        return publish_from_host(lambda: self._trainer.call("publish"), target_shardings, dtype)

@@ -293,6 +293,25 @@ def test_generate_all_matches_one_request_at_a_time(dense):
         np.testing.assert_allclose(completion.logprobs, alone.logprobs, atol=1e-5)
 
 
+def test_a_bfloat16_engine_holds_bfloat16_params_and_decodes_as_with_the_float32_masters():
+    """A bfloat16 model trains float32 master weights (`app_lib.PARAM_DTYPE`); its engine holds
+    them rounded to bfloat16, half the bytes to read per decode step, and decodes exactly as
+    the float32 params cast at use would (the model casts every weight to its compute dtype)."""
+    model = create(MOE, seed=3, param_dtype=jnp.float32, dtype=jnp.bfloat16)
+    engine = _engine(model)
+    held = engine.load_params(version=0)
+    assert {x.dtype for x in held.leaves} == {np.dtype(jnp.bfloat16)}
+    masters = PolicyParams(jax.device_put(nnx.state(model), engine.param_shardings), 0)
+    assert {x.dtype for x in masters.leaves} == {np.dtype(np.float32)}
+    rng = np.random.RandomState(0)
+    requests = [Request(prompt_tokens=p, seed=i) for i, p in enumerate(_prompts(rng, [3, 7, 5]))]
+    for a, b in zip(
+        generate_all(engine, held, requests), generate_all(engine, masters, requests), strict=True
+    ):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+
+
 # ---------------------------------------------------------------------------------------------
 # Stopping
 # ---------------------------------------------------------------------------------------------

@@ -191,6 +191,23 @@ def test_an_architecture_alone_gives_a_config_its_config_json_states(arch):
     assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
 
 
+def test_float32_master_weights_save_as_the_bfloat16_they_compute_with(tmp_path):
+    """A bfloat16 run trains float32 master weights and writes them as bfloat16, the dtype of
+    the checkpoint it started from, rounded as torch rounds them."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    make_hf_model("Qwen3ForCausalLM", src, seed=5)
+    masters = from_pretrained(src, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    save_pretrained(masters, dst, dtype=jnp.bfloat16)
+    reloaded = transformers.Qwen3ForCausalLM.from_pretrained(dst, torch_dtype="auto")
+    original = transformers.Qwen3ForCausalLM.from_pretrained(src)
+    assert reloaded.config.torch_dtype == torch.bfloat16
+    for name, weight in original.state_dict().items():
+        assert reloaded.state_dict()[name].dtype == torch.bfloat16, name
+        torch.testing.assert_close(
+            reloaded.state_dict()[name], weight.to(torch.bfloat16), rtol=0, atol=0
+        )
+
+
 def test_bfloat16_load(tmp_path):
     make_hf_model("LlamaForCausalLM", str(tmp_path), seed=4)
     model = from_pretrained(str(tmp_path), dtype=jnp.bfloat16)

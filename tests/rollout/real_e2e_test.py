@@ -1,10 +1,14 @@
-"""End to end on the real engine and trainer, 8 virtual CPU devices: a short dora run."""
+"""End to end on the real engine and trainer, 8 virtual CPU devices: a short dora run of a
+bfloat16 model (float32 master weights on the trainer, bfloat16 copies on the instances)."""
 
 from __future__ import annotations
 
 import itertools
 import json
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from dora_jax import models
@@ -29,7 +33,7 @@ def test_dora_on_the_real_engine_and_trainer(tmp_path):
         head_dim=16,
         qk_norm=True,
     )
-    model = models.create(model_config, seed=0)
+    model = models.create(model_config, seed=0, param_dtype=jnp.float32, dtype=jnp.bfloat16)
     config = RolloutConfig(
         mode="dora",
         train_batch_size=8,
@@ -63,6 +67,14 @@ def test_dora_on_the_real_engine_and_trainer(tmp_path):
         str(tmp_path),
     )
     metrics = rollout.run()
+    # Every version moved and was held in bfloat16: 2 bytes a parameter, half the trainer's.
+    n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
+    assert {x.dtype for x in jax.tree.leaves(trainer.params)} == {np.dtype("float32")}
+    moved = [(m["weight_move_bytes"], m["weight_moves"]) for m in metrics if m["weight_moves"]]
+    assert moved and all(b == 2 * n_params * n for b, n in moved)
+    held = [x.params.state for x in rollout.instances if x.params is not None]
+    held += list(rollout.staged.values())
+    assert {x.dtype for tree in held for x in jax.tree.leaves(tree)} == {np.dtype(jnp.bfloat16)}
     report = audit_lib.audit(str(tmp_path))
     assert report.passed, report.format()
     assert len(metrics) == 6 and trainer.version == 6

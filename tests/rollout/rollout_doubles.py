@@ -109,6 +109,7 @@ class EngineDouble:
         self.max_decode_length = max_decode_length
         self.cache_length = cache_length or max_prefill_length + max_decode_length  # as Engine's
         self.samples_per_slot = 1
+        self.param_dtype = np.dtype(np.float32)  # as a float32 model's `Engine`
         self.fail_after_steps = fail_after_steps
         self.fail_after_prefills = fail_after_prefills
         # A decode failure raises at dispatch, or (True) when its tokens are read back, as a
@@ -325,7 +326,8 @@ class TrainerDouble:
         self.batches.append(batch)
         return {"loss": 0.0}
 
-    def publish(self, target_shardings: Any | None = None) -> Published:
+    def publish(self, target_shardings: Any | None = None, dtype: Any = None) -> Published:
+        del dtype  # the double's params are not floating-point
         self._version += 1
         self._params = self._weights(self._version)
         params = jax.device_put(self._params, target_shardings, may_alias=False)

@@ -12,8 +12,10 @@ import sys
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from tiny_models import DENSE, VOCAB
 
 from dora_jax import models
@@ -21,6 +23,7 @@ from dora_jax.engine import Engine, Request
 from dora_jax.models import sharding_lib
 from dora_jax.rollout import audit_lib, ledger_lib, request_lib, runner_lib
 from dora_jax.rollout.config_lib import RolloutConfig
+from dora_jax.rollout.instance_lib import RolloutInstance
 from dora_jax.runtime import hosts_lib
 from dora_jax.train import TrainConfig, Trainer
 
@@ -146,10 +149,43 @@ def test_without_a_key_network_hosts_are_refused_at_start(monkeypatch):
         hosts_lib.connect_hosts(["127.0.0.1:7100"], [hosts_lib.EngineSpec(MODEL, 0, ENGINE)])
 
 
+def test_a_bfloat16_host_holds_its_version_in_bfloat16_and_decodes_as_a_local_engine():
+    """A host's engine holds params in the dtype it computes in, as a local one does: a float32
+    version from the trainer is cast before it goes down the pipe (half the bytes), and the host
+    decodes exactly what a local bfloat16 engine decodes from the same version."""
+    dtypes = {"param_dtype": jnp.float32, "dtype": jnp.bfloat16}
+    model = models.create(MODEL, seed=0, **dtypes)
+    masters = nnx.state(model)  # float32, as the trainer's
+    local = RolloutInstance(0, Engine(model, **ENGINE))
+    (host,) = hosts_lib.start_local_hosts(
+        [hosts_lib.EngineSpec(MODEL, 0, ENGINE, model_kwargs=dtypes)]
+    )
+    try:
+        remote = RolloutInstance(1, host)
+        assert host.param_dtype == np.dtype(jnp.bfloat16)
+        _, nbytes = remote.load(0, masters)
+        assert nbytes == 2 * sum(x.size for x in jax.tree.leaves(masters))
+        local.load(0, masters)
+        spec = request_lib.PromptSpec(0, np.asarray([3, 9, 4], np.int32), (6,), ignore_eos=True)
+        requests = [request_lib.Request(spec, 0, seed=7, version=0) for _ in range(2)]
+        for x, request in zip((local, remote), requests, strict=True):
+            x.dispatch_prefill([(request, 0)])
+            x.dispatch_generate(8)
+            assert x.collect()[0] == [request]
+        assert requests[0].tokens == requests[1].tokens
+        assert requests[0].logprobs == requests[1].logprobs
+    finally:
+        host.close()
+
+
+SILENT_HOSTS_SETTINGS = dict(max_concurrent_decodes=1, max_prefill_length=8, max_decode_length=8,
+                             cache_length=16, prefill_buckets=(8,),
+                             param_dtype=np.dtype("float32"))  # fmt: skip
+
+
 def test_a_silent_or_vanished_host_is_an_error_not_a_hang():
     ours, theirs = multiprocessing.Pipe()
-    theirs.send(dict(max_concurrent_decodes=1, max_prefill_length=8, max_decode_length=8,
-                     cache_length=16, prefill_buckets=(8,)))  # fmt: skip
+    theirs.send(SILENT_HOSTS_SETTINGS)
     engine = hosts_lib.RemoteEngine(ours, name="quiet", timeout_s=0.2)
     with pytest.raises(hosts_lib.HostError, match="quiet: no answer in 0.2 s"):
         engine.init_decode_state()  # nobody serves the other end
@@ -162,8 +198,7 @@ def test_a_host_that_stops_reading_is_an_error_not_a_blocked_controller():
     """A command bigger than the connection's buffer (a version's weights) waits for the host
     to read it; a host that never does must fail its instance like a silent one."""
     ours, theirs = multiprocessing.Pipe()
-    theirs.send(dict(max_concurrent_decodes=1, max_prefill_length=8, max_decode_length=8,
-                     cache_length=16, prefill_buckets=(8,)))  # fmt: skip
+    theirs.send(SILENT_HOSTS_SETTINGS)
     engine = hosts_lib.RemoteEngine(ours, name="stopped", timeout_s=0.5)
     raised: list[BaseException] = []
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from train_fixtures import random_batch, tiny_model
@@ -192,6 +193,21 @@ def test_publish_places_a_copy_on_the_target_mesh():
     # The published copy survives the next step's buffer donation, unchanged.
     for a, b in zip(published, _host(pub.params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_bfloat16_publish_is_the_params_rounded_and_half_the_bytes():
+    """A bfloat16 engine's copy is cast on the training mesh, before it moves; the trainer keeps
+    its float32 master weights."""
+    trainer = Trainer(tiny_model(), BASE, MESH)
+    target = sharding_lib.param_shardings(
+        trainer.params, sharding_lib.make_mesh(jax.devices()[2:4], 1, 2)
+    )
+    pub = trainer.publish(target, dtype=jnp.bfloat16)
+    leaves = jax.tree.leaves(pub.params)
+    assert pub.metrics["publish_bytes"] == sum(x.size * 2 for x in leaves)
+    for a, b in zip(_host(pub.params), _host(trainer.params), strict=True):
+        assert a.dtype == jnp.bfloat16 and b.dtype == np.float32
+        np.testing.assert_array_equal(a, b.astype(ml_dtypes.bfloat16))  # numpy's rounding
 
 
 def test_restore_continues_identically():
