@@ -101,8 +101,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.engine.temperature = 1.0
     c.engine.top_k = 0
     c.engine.top_p = 1.0
-    # A response also ends at the first token whose text completes one of these (vLLM's `stop`),
-    # kept in the response, e.g. ("</answer>",) for a template that asks for <answer>...</answer>.
+    # A response also ends at the first token whose text completes one of these, which stays in
+    # the response (trained, and seen by the reward), e.g. ("</answer>",) for a template that
+    # asks for <answer>...</answer>.
     c.engine.stop_strings = ()
 
     c.sft = ml_collections.ConfigDict()

@@ -48,7 +48,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.reward.name = "math"
     c.reward.timeout_s = 10.0
 
-    c.engine.slots = 64
+    # Per instance (one 16 GiB v5e chip), estimated: 32 slots x 2,560 positions x 112 KiB of
+    # bfloat16 KV per token (28 layers x 8 KV heads x 128 x 2) = 9.4 GB, plus 1.2 GB of bfloat16
+    # params; 64 slots would need 18.8 GB of KV alone.
+    c.engine.slots = 32
     c.engine.max_decode_length = 2048
     c.engine.temperature = 1.0
 
@@ -63,15 +66,16 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.timer_steps = 64
 
     c.train.mini_batches = 4
-    c.train.micro_batch_size = 16
+    # float32 logits of a micro-batch are micro x 2,560 x 151,936 x 4 bytes (6.2 GB at 4, spread
+    # over the 4 training chips, and as much again for their gradient): 16 would not fit.
+    c.train.micro_batch_size = 4
     c.train.learning_rate = 1e-6
     c.train.warmup_steps = 10
     c.train.schedule = "constant"
     c.train.loss = "ppo_clip"
     c.train.length_buckets = (512, 1024, 1536, 2560)
-    # A micro-batch of 16 sequences of up to 2,560 tokens through 28 layers keeps tens of GB of
-    # activations for the backward pass (an estimate: ~40 bf16 arrays of 16 x 2560 x 1024 per
-    # layer) against a v5e chip's 16 GiB; recomputing each layer keeps ~2 GB (its inputs).
+    # Activations the backward pass keeps, estimated: ~40 bfloat16 arrays of 4 x 2,560 x 1,024
+    # per layer, 23 GB over 28 layers; recomputing each layer from its input keeps 0.6 GB.
     c.train.remat = "full"
 
     c.eval.num_prompts = 1319

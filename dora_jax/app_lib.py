@@ -228,7 +228,8 @@ def _sampling(config: ml_collections.ConfigDict) -> SamplingParams:
 
 def stop_strings(config: ml_collections.ConfigDict) -> tuple[str, ...]:
     """`engine.stop_strings`, checked: a response ends at the first token whose text completes
-    one (vLLM's `stop`), in rollout and held-out evaluation alike."""
+    one, in rollout and held-out evaluation alike; unlike vLLM's `stop`, the stop string stays
+    in the response's text, where a reward may look for it."""
     value = config.engine.stop_strings
     if not isinstance(value, tuple | list) or not all(isinstance(x, str) and x for x in value):
         raise ValueError(
@@ -910,7 +911,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
 _RESUMABLE_CHANGES = (
     "compilation_cache_dir", "num_cpu_devices", "rollout.num_iterations", "runtime.", "eval.",
     "checkpoint.", "sft.", "engine.slots", "reward.isolation", "reward.workers",
-    "train.remat",  # what the backward pass keeps, not what it computes: on after an OOM
+    "train.remat",  # what the backward keeps (same math, bfloat16 rounds apart): on after OOM
     "model.qk_norm",  # implied by model.architecture (ModelConfig refuses any other value)
 )  # fmt: skip
 

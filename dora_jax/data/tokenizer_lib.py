@@ -70,11 +70,11 @@ class Tokenizer:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def text_stream(self) -> Callable[[int], str]:
-        """A new response's text token by token (the engine's `TextStream`), as `decode` would
-        give it: each call takes the next id and returns the text it adds, "" while a
-        character's bytes are still incomplete. For stop strings, checked after every token."""
-        stream = decoders.DecodeStream(skip_special_tokens=True)
-        return lambda token_id: stream.step(self.tok, int(token_id)) or ""
+        """A new response's text token by token (the engine's `TextStream`), for stop strings:
+        each call takes the next id and returns the text it adds, as `decode` gives it, "" while
+        a character's bytes are incomplete (the text of a token that completes a stop string
+        and starts a multi-byte character comes with that character's last byte)."""
+        return _TextStream(self.tok)
 
     def save(self, directory: str | Path) -> None:
         """Writes `tokenizer.json` and a minimal `tokenizer_config.json`, which
@@ -84,6 +84,28 @@ class Tokenizer:
         self.tok.save(str(directory / "tokenizer.json"))
         config = {"eos_token": self.eos_token, "pad_token": self.pad_token}
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+class _TextStream:
+    """tokenizers' incremental decoder, made never to raise. A policy may sample byte tokens that
+    do not form UTF-8 (in a Llama-2-style byte-fallback vocabulary), which turn text already
+    given out into replacement characters; the decoder raises on those, and this stream starts
+    over from that token instead. So a malformed response is matched on a best-effort basis, and
+    no sample is lost to an exception raised in the middle of an engine call's results."""
+
+    def __init__(self, tok: tokenizers.Tokenizer):
+        self.tok = tok
+        self.stream = decoders.DecodeStream(skip_special_tokens=True)
+
+    def __call__(self, token_id: int) -> str:
+        try:
+            return self.stream.step(self.tok, int(token_id)) or ""
+        except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception for this
+            self.stream = decoders.DecodeStream(skip_special_tokens=True)
+            try:
+                return self.stream.step(self.tok, int(token_id)) or ""
+            except Exception:  # noqa: BLE001 - an id the vocabulary lacks: no text
+                return ""
 
 
 def special_token(value: object, field: str) -> str | None:

@@ -132,8 +132,8 @@ class RolloutInstance:
     def collect(self) -> tuple[list[Request], list[int]]:
         """Reads back what was enqueued since the last collect, in order: the admissions' first
         tokens, then each decode step's tokens. Returns the requests that finished (slots
-        freed; one that finished with its first token was never left decoding by the engine)
-        and how many slots decoded at each step the engine ran.
+        freed) and, for each step the engine ran, how many of its slots held a request; a slot
+        whose request a stop string ended decodes on, for nothing, until the call's last step.
 
         Everything is read before any slot changes: a read-back that raises (a device error, a
         generation host gone) leaves every request in its slot as it was before the turn, so
@@ -155,11 +155,11 @@ class RolloutInstance:
                 self._record(slot, rows[row], result.version, finished)
         busy_per_step = []
         for result in steps:
-            active = self.active()
-            if not active:  # every request finished: the engine stopped there too
+            if not result.valid.any():  # every slot had finished: the program stopped
                 break
+            active = self.active()
             busy_per_step.append(len(active))
-            rows = read_rows(result)
+            rows = read_rows(result) if active else []
             for slot in active:
                 self._record(slot, rows[slot], result.version, finished)
         return finished, busy_per_step

@@ -121,7 +121,7 @@ def test_resuming_under_another_config_is_refused_before_the_ledger_is_cut(tmp_p
     assert ledger.read_text() == '{"event": "start"}\n{"event": "dispatch"}\n'
     config.rollout.group_size = 8
     config.reward.update(isolation="thread", workers=8)  # how rewards run, not what they score
-    config.train.remat = "full"  # what the backward pass keeps, not what it computes
+    config.train.remat = "full"  # what the backward pass keeps: the same math
     app_lib.check_same_run(meta["config"], config, str(tmp_path))  # nothing that defines it
     config.model.hidden_size = 32  # evaluation checks the model's fields only
     app_lib.check_same_run(meta["config"], config, str(tmp_path), prefixes=("data.",))

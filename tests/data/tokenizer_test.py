@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import tokenizers
 import transformers
 from data_fixtures import CORPUS, write_hf_tokenizer_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import decoders, models
 
 from dora_jax.data import tokenizer_lib
 from dora_jax.engine import StopMatcher
@@ -136,3 +138,34 @@ def test_stop_strings_end_at_the_first_token_whose_decoded_text_contains_one(
     got = next((n for n, i in enumerate(ids, 1) if matcher.step(i)), None)
     prefixes = (ref.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1))
     assert got == next((n for n, t in enumerate(prefixes, 1) if stop in t), None)
+
+
+def _byte_fallback_tokenizer() -> tokenizer_lib.Tokenizer:
+    """A Llama-2-style vocabulary: sentencepiece pieces with "▁" for spaces, and a byte token
+    for every byte, whose runs decode as UTF-8 together (ill-formed runs as U+FFFD)."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ["▁", "a", "b", "▁a", "ab", "</", "answer", ">", "▁▁", "x", "é", "▁é", "\n"]:
+        vocab[piece] = len(vocab)
+    tok = tokenizers.Tokenizer(models.BPE(vocab, [], byte_fallback=True, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    tok.add_special_tokens(["<s>", "</s>"])
+    return tokenizer_lib.Tokenizer(tok, "</s>")
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(0, 280), max_size=12))
+def test_text_stream_never_raises_on_what_a_policy_may_sample(ids):
+    """Byte tokens that do not form UTF-8 change text tokenizers' stream already gave out, and it
+    raises; raised inside an engine call's results, that lost the call's finished samples. The
+    stream goes on (ids past the vocabulary included), and once it is past the ill-formed bytes
+    its text is `decode`'s again."""
+    tok = _byte_fallback_tokenizer()
+    stream = tok.text_stream()
+    for token_id in ids:
+        stream(token_id)
+    tail = tok.encode("ab answer")  # well-formed text after whatever came before
+    assert "".join(stream(i) for i in tail).endswith(tok.decode(tail).strip())

@@ -71,7 +71,9 @@ def test_a_stop_string_ends_a_request_mid_call_and_frees_its_slot_for_the_next()
     assert finished == [request] and x.free() == [0, 1] and not request.truncated
     assert request.tokens == free.tokens[:ends].tolist()
     np.testing.assert_allclose(request.logprobs, free.logprobs[:ends], atol=1e-5)
-    assert busy == [1] * (ends - 1)  # the first token came with the prefill
+    # The first token came with the prefill; the engine ran the call's 8 steps, the slot
+    # decoding for nothing after the stop until it was freed.
+    assert busy == [1] * (ends - 1) + [0] * (8 - ends + 1)
 
     other = PromptSpec(1, np.asarray([9, 4], np.int32), (6,))
     (alone,) = generate_all(engine, params, [EngineRequest(other.tokens, max_new_tokens=6, seed=8)])
