@@ -52,6 +52,7 @@ class RolloutInstance:
         self._pending_prefill: list[Any] = []
         # Slots whose request a stop string ended: the engine decodes on in them until freed.
         self._stopped: list[int] = []
+        self._leaving: list[Request] = []  # finished in the read-back `collect` is recording
 
     @property
     def name(self) -> str:
@@ -147,7 +148,9 @@ class RolloutInstance:
             refused = [slot for (_, slot), ok in zip(starts, result.valid, strict=False) if not ok]
             if refused:
                 raise RuntimeError(f"{self.name}: engine refused busy slot(s) {refused}")
-        finished: list[Request] = []
+        # Requests leave their slots here as they finish: until `collect` returns them, an error
+        # recording a later row (a stop string's text) must not lose them, so `fail` has them.
+        finished = self._leaving
         for starts, result in admitted:
             rows = read_rows(result)
             for row, (request, slot) in enumerate(starts):
@@ -162,6 +165,7 @@ class RolloutInstance:
             rows = read_rows(result) if active else []
             for slot in active:
                 self._record(slot, rows[slot], result.version, finished)
+        self._leaving = []
         return finished, busy_per_step
 
     def _record(
@@ -225,9 +229,11 @@ class RolloutInstance:
         return requests
 
     def fail(self) -> list[Request]:
-        """Marks the instance dead after an error; returns its requests (state untrusted)."""
+        """Marks the instance dead after an error; returns its requests (state untrusted), those
+        that finished in a read-back that failed half-way included."""
         self.healthy = False
-        requests = [r for r in self.slots if r is not None]
+        requests = [*self._leaving, *(r for r in self.slots if r is not None)]
+        self._leaving = []
         self.slots = [None] * self.num_slots
         self.unload()
         self._pending_result = None

@@ -29,6 +29,7 @@ def make_rollout(
     on_checkpoint=None,
     resume: dict | None = None,
     stop_strings: tuple[str, ...] = (),  # matched on the tokens' text as `double_text` gives it
+    text_stream=lambda: double_text,  # noqa: B008 - the text streams of stop strings
     **config,
 ) -> tuple[runner_lib.Rollout, TrainerDouble, list[EngineDouble]]:
     cfg = RolloutConfig(**config)
@@ -55,7 +56,7 @@ def make_rollout(
     if stop_strings:
         forced = prompts
         prompts = lambda i: dataclasses.replace(  # noqa: E731
-            forced(i), stop_strings=stop_strings, text_stream=lambda: double_text
+            forced(i), stop_strings=stop_strings, text_stream=text_stream
         )
     rollout = runner_lib.Rollout(
         cfg,

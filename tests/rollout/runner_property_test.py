@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -152,13 +153,23 @@ def test_same_seed_gives_the_same_ledger(tmp_path_factory, setup):
 @given(
     setup=setups(),
     fail_at=st.integers(1, 30),
-    stage=st.sampled_from(["decode", "decode read-back", "prefill read-back"]),
+    stage=st.sampled_from(["decode", "decode read-back", "prefill read-back", "stop strings"]),
 )
 def test_failed_instance_requests_are_regenerated(tmp_path_factory, setup, fail_at, stage):
     setup["num_instances"] = max(setup["num_instances"], 2)
     workdir = str(tmp_path_factory.mktemp("run"))
+    texts = itertools.count(1)
+
+    def text_of(token):  # the `fail_at`-th token read anywhere raises, once
+        if next(texts) == fail_at:
+            raise RuntimeError("the stop strings' text stream failed")
+        return double_text(token)
+
     if stage.startswith("decode"):
         fail = {"fail": {0: fail_at}, "fail_on_readback": stage == "decode read-back"}
+    elif stage == "stop strings":  # an error while an instance's read-back is being recorded
+        fail = {"text_stream": lambda: text_of}
+        setup["stop_strings"] = setup["stop_strings"] or ("abc",)
     else:
         fail = {"fail_prefill": {0: fail_at}}
     rollout, trainer, engines = make_rollout(workdir, max_length=60, **fail, **setup)
@@ -166,6 +177,9 @@ def test_failed_instance_requests_are_regenerated(tmp_path_factory, setup, fail_
     report = audit_lib.audit(workdir)
     assert report.rules["C2"] and report.rules["C3"], report.format()
     _assert_every_sample_is_somewhere_once(rollout, trainer, workdir)
+    if stage == "stop strings":
+        assert rollout.totals["failed_instances"] == (next(texts) > fail_at)  # it raised
+        return
     calls = engines[0].steps if stage.startswith("decode") else engines[0].prefill_calls
     if calls > fail_at:  # the failure happened
         assert rollout.totals["failed_instances"] == 1
