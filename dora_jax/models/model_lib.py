@@ -72,7 +72,8 @@ REMAT_POLICIES: dict[str, Any] = {
 class ForwardOutput(NamedTuple):
     logits: jax.Array  # [batch, seq, vocab], float32
     cache: KVCache | None
-    # Tokens routed to each expert, [moe_layers, num_experts]; empty for dense models.
+    # Tokens routed to each expert, [moe_layers, num_experts] float32, each token counted with its
+    # `load_weights` (1 without them); empty for dense models.
     expert_load: jax.Array
 
 
@@ -227,7 +228,11 @@ class MoE(nnx.Module):
         self.config = c
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(
+        self, x: jax.Array, load_weights: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """The layer's output and its expert load (routings per expert, `load_weights` [...]
+        the weight of each token in it)."""
         c = self.config
         shape = x.shape
         tokens = x.reshape(-1, shape[-1]).astype(self.dtype)
@@ -251,7 +256,14 @@ class MoE(nnx.Module):
             .at[token_of]
             .add(expert_out.astype(jnp.float32) * sorted_weights[:, None])
         )
-        return combined.astype(x.dtype).reshape(shape), group_sizes
+        if load_weights is None:
+            load = group_sizes.astype(jnp.float32)
+        else:
+            per_routing = jnp.repeat(load_weights.reshape(-1), c.num_experts_per_tok)
+            load = jnp.bincount(
+                flat_experts, weights=per_routing.astype(jnp.float32), length=c.num_experts
+            )
+        return combined.astype(x.dtype).reshape(shape), load
 
 
 class DecoderLayer(nnx.Module):
@@ -265,14 +277,20 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(c, c.intermediate_size, rngs, param_dtype, dtype)
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, cache: KVCache | None, layer: int
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: KVCache | None,
+        layer: int,
+        load_weights: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None, jax.Array | None]:
         attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache, layer)
         x = x + attn_out
-        ff = self.mlp(self.post_attention_layernorm(x))
-        load = None
-        if isinstance(ff, tuple):
-            ff, load = ff
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            ff, load = self.mlp(h, load_weights)
+        else:
+            ff, load = self.mlp(h), None
         return x + ff, cache, load
 
 
@@ -314,6 +332,7 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         logits_at: jax.Array | None = None,
         remat: str = "none",
+        load_weights: jax.Array | None = None,
     ) -> ForwardOutput:
         """Runs `tokens` [batch, seq] at `positions` [batch, seq], reading/writing `cache`.
 
@@ -321,6 +340,7 @@ class Transformer(nnx.Module):
         (logits [batch, 1, vocab]): a prefill needs only the last prompt token's logits, and
         [batch, seq, vocab] in float32 is gigabytes at real vocabulary sizes. `remat` names a
         `REMAT_POLICIES` entry for the layers of a forward that is differentiated (no cache).
+        `load_weights` [batch, seq] weighs each token in `expert_load` (0 for padding).
         """
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat={remat!r} is not one of {sorted(REMAT_POLICIES)}")
@@ -328,12 +348,12 @@ class Transformer(nnx.Module):
         loads = []
         for i, layer in enumerate(self.layers):
             if remat == "none" or cache is not None:
-                x, cache, load = layer(x, positions, cache, i)
+                x, cache, load = layer(x, positions, cache, i, load_weights)
             else:
                 run = nnx.remat(
                     _layer_without_cache, policy=REMAT_POLICIES[remat], static_argnums=3
                 )
-                x, load = run(layer, x, positions, i)
+                x, load = run(layer, x, positions, i, load_weights)
             if load is not None:
                 loads.append(load)
         if logits_at is not None:
@@ -342,14 +362,18 @@ class Transformer(nnx.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         head = _as_computed(head, self.dtype)
         logits = x @ (head.T if self.lm_head is None else head)
-        expert_load = jnp.stack(loads) if loads else jnp.zeros((0, 0), jnp.int32)
+        expert_load = jnp.stack(loads) if loads else jnp.zeros((0, 0), jnp.float32)
         return ForwardOutput(logits, cache, expert_load)
 
 
 def _layer_without_cache(
-    layer: DecoderLayer, x: jax.Array, positions: jax.Array, index: int
+    layer: DecoderLayer,
+    x: jax.Array,
+    positions: jax.Array,
+    index: int,
+    load_weights: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    out, _, load = layer(x, positions, None, index)
+    out, _, load = layer(x, positions, None, index, load_weights)
     return out, load
 
 
@@ -394,9 +418,12 @@ class Functional:
         cache: KVCache | None = None,
         logits_at: jax.Array | None = None,
         remat: str = "none",
+        load_weights: jax.Array | None = None,
     ) -> ForwardOutput:
         model = nnx.merge(self.graphdef, params)
-        return model.forward(tokens, positions, cache, logits_at, remat=remat)
+        return model.forward(
+            tokens, positions, cache, logits_at, remat=remat, load_weights=load_weights
+        )
 
     def logits(self, params: Any, input_ids: jax.Array) -> jax.Array:
         return nnx.merge(self.graphdef, params)(input_ids)

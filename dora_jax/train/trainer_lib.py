@@ -64,6 +64,20 @@ class TrainerLike(Protocol):
     def publish(self, target_shardings: Any | None = None, dtype: Any = None) -> Published: ...
 
 
+def moe_load_metrics(expert_load: np.ndarray) -> dict[str, float]:
+    """How evenly a step's tokens were routed ([moe_layers, num_experts] counts; dense models
+    have none): each layer's busiest and idlest expert against its mean, averaged over layers.
+    A router collapsing onto few experts shows as a rising max and a min falling to 0."""
+    if expert_load.size == 0 or not expert_load.sum():
+        return {}
+    mean = expert_load.mean(axis=1, keepdims=True)
+    ratio = expert_load / np.maximum(mean, 1e-12)
+    return {
+        "moe/load_max_over_mean": float(ratio.max(axis=1).mean()),
+        "moe/load_min_over_mean": float(ratio.min(axis=1).mean()),
+    }
+
+
 def publish_from_host(
     publish: Callable[[], tuple[Any, int, dict[str, float]]],
     target_shardings: Any | None,
@@ -294,6 +308,7 @@ class Trainer:
                 f"(train.max_skipped_steps={limit}; {self._skipped} updates skipped in all)"
             )
         ratio_max = max(float(m.pop("ratio_max")) for m in micro_sums)
+        expert_load = sum(np.asarray(m.pop("expert_load"), np.float64) for m in micro_sums)
         sums = {k: float(sum(m[k] for m in micro_sums)) for k in micro_sums[0] if k != "loss"}
         tokens = max(sums.pop("tokens"), 1.0)
         metrics = {
@@ -325,6 +340,7 @@ class Trainer:
         if "tis_capped" in sums:
             metrics["tis_fraction"] = sums.pop("tis_capped") / tokens
         metrics.update({f"clip_fraction/{name}": v / tokens for name, v in sums.items()})
+        metrics.update(moe_load_metrics(expert_load))
         metrics.update({f"staleness/{k}": float(n) for k, n in sorted(Counter(staleness).items())})
         metrics["step_seconds"] = time.perf_counter() - start
         return metrics
@@ -438,10 +454,15 @@ def _accumulate(
     params = jax.tree.unflatten(treedef, param_leaves)
 
     def loss_fn(params):
-        logits = fn.forward(
-            params, inputs["tokens"], inputs["positions"], remat=config.remat
-        ).logits
-        logp, entropy = loss_lib.token_logprobs(logits, inputs["targets"])
+        # Expert load over the positions the loss trains on (not padding, not prompts).
+        out = fn.forward(
+            params,
+            inputs["tokens"],
+            inputs["positions"],
+            remat=config.remat,
+            load_weights=inputs["mask"] > 0,
+        )
+        logp, entropy = loss_lib.token_logprobs(out.logits, inputs["targets"])
         loss, sums = loss_lib.policy_loss(
             logp,
             inputs["behaviour_logp"],
@@ -453,6 +474,7 @@ def _accumulate(
             ref_logp=inputs["ref_logp"],
         )
         sums["entropy_sum"] = jnp.where(inputs["mask"] > 0, entropy, 0.0).sum()
+        sums["expert_load"] = out.expert_load
         return loss, sums
 
     (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)

@@ -68,6 +68,30 @@ def test_expert_load_counts_match_router_top_k(seed, tokens):
     np.testing.assert_array_equal(out.expert_load.sum(axis=1), [tokens * 2, tokens * 2])
 
 
+def test_weighted_expert_load_of_a_padded_batch_is_that_of_its_sequences():
+    """`load_weights` 0 on padding (and on whatever else should not count) gives the load the
+    real tokens alone give, sequence by sequence, without padding (causal attention: padding
+    at the end does not change the positions before it)."""
+    model = create(MOE, seed=2)
+    rng = np.random.RandomState(0)
+    lengths = [5, 9, 2]
+    seqs = [rng.randint(0, 50, n) for n in lengths]
+    padded = np.zeros((3, 9), np.int32)
+    weights = np.zeros((3, 9), np.float32)
+    for row, seq in enumerate(seqs):
+        padded[row, : len(seq)] = seq
+        weights[row, : len(seq)] = 1.0
+        weights[row, 0] = 0.5  # weights are weights, not just a mask
+    positions = jnp.broadcast_to(jnp.arange(9), padded.shape)
+    got = model.forward(jnp.asarray(padded), positions, load_weights=jnp.asarray(weights))
+    want = 0.0
+    for seq in seqs:
+        alone = model.forward(jnp.asarray(seq[None]), jnp.arange(len(seq))[None])
+        first = model.forward(jnp.asarray(seq[None, :1]), jnp.arange(1)[None])
+        want = want + alone.expert_load - 0.5 * first.expert_load
+    np.testing.assert_allclose(got.expert_load, want, atol=1e-6)
+
+
 def test_moe_matches_dense_reference_computation():
     """ragged_dot dispatch equals an explicit per-token loop over the chosen experts."""
     model = create(MOE, seed=3)

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from train_fixtures import random_batch, tiny_model
+from train_fixtures import TINY, random_batch, tiny_model
 
-from dora_jax.models import Functional, Transformer, sharding_lib
+from dora_jax.models import Functional, Transformer, create, sharding_lib
 from dora_jax.train import TrainConfig, Trainer
 
 MESH = sharding_lib.make_mesh(jax.devices()[:1], 1, 1)
@@ -329,3 +329,31 @@ def test_bad_batches_are_refused_with_a_reason():
         trainer.step(batch)
     with pytest.raises(ValueError, match="trainer version 0"):
         trainer.step(random_batch(rng, 2, 4, version=1))
+
+
+def test_moe_load_metrics_are_those_of_the_trained_positions():
+    """`moe/load_*`: routings per expert over the positions the loss trains on (each sample's
+    last prompt token and its response but the last, as their next-token targets are the
+    response), summed over micro-batches and padded length buckets; recomputed here sample by
+    sample, unpadded, from the model's own per-layer loads."""
+    config = dataclasses.replace(BASE, micro_batch_size=2, length_buckets=(8, 16))
+    moe = dataclasses.replace(TINY, architecture="Qwen3MoeForCausalLM", num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
+    model = create(moe, seed=3)
+    fn, params = Functional.of(model)
+    batch = random_batch(np.random.RandomState(4), 2, 4, max_response=10)
+    load = 0.0
+    for t in batch:
+        seq = np.concatenate([t.prompt_tokens, t.response_tokens])
+        trained = np.zeros(len(seq), np.float32)
+        trained[len(t.prompt_tokens) - 1 : len(seq) - 1] = 1.0
+        out = fn.forward(params, jnp.asarray(seq[None]), jnp.arange(len(seq))[None],
+                         load_weights=jnp.asarray(trained[None]))  # fmt: skip
+        load = load + np.asarray(out.expert_load, np.float64)
+    mean = load.mean(axis=1, keepdims=True)
+    trainer = Trainer(create(moe, seed=3), config, MESH)
+    m = trainer.step(_with_behaviour(trainer, batch))
+    assert m["moe/load_max_over_mean"] == pytest.approx((load / mean).max(axis=1).mean())
+    assert m["moe/load_min_over_mean"] == pytest.approx((load / mean).min(axis=1).mean())
+    dense = Trainer(tiny_model(), config, MESH)
+    assert not any(k.startswith("moe/") for k in dense.step(_with_behaviour(dense, batch)))
