@@ -916,6 +916,11 @@ _RESUMABLE_CHANGES = (
 )  # fmt: skip
 
 
+# Run-defining fields added after checkpoints were saved without them, with the value that does
+# what the code did before each existed: a run saved then goes on under a config stating it.
+_ADDED_FIELDS: dict[str, Any] = {"reward.options": {}, "engine.stop_strings": []}
+
+
 def run_defining_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The config's fields as {"section.field": value} (JSON values), less those a resumed
     run may change: saved with each checkpoint, compared on resume."""
@@ -941,6 +946,7 @@ def check_same_run(
     before configs were saved (`saved` None) are not checked."""
     if saved is None:
         return
+    saved = {**_ADDED_FIELDS, **saved}
     now = run_defining_fields(config)
     differ = sorted(
         k

@@ -129,6 +129,19 @@ def test_resuming_under_another_config_is_refused_before_the_ledger_is_cut(tmp_p
         app_lib.check_same_run(meta["config"], config, str(tmp_path), prefixes=("model.",))
 
 
+def test_a_run_saved_before_a_field_existed_resumes_with_the_fields_old_behaviour(tmp_path):
+    """A checkpoint's config from before `engine.stop_strings` (or `reward.options`) existed
+    ran without stop strings: a config stating none goes on with it, one stating some does
+    not."""
+    config = default.get_config()
+    saved = app_lib.run_defining_fields(config)
+    del saved["engine.stop_strings"], saved["reward.options"]
+    app_lib.check_same_run(saved, config, str(tmp_path))
+    config.engine.stop_strings = ("</answer>",)
+    with pytest.raises(ValueError, match=r"engine\.stop_strings: \[\] -> \['</answer>'\]"):
+        app_lib.check_same_run(saved, config, str(tmp_path))
+
+
 def test_stating_what_the_architecture_implies_is_the_same_run(tmp_path):
     """`model.qk_norm` can only be the architecture's value: a run started with it unset (the
     default) resumes with it stated, and a checkpoint saved when the default stated it (and
