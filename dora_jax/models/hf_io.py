@@ -255,7 +255,7 @@ def save_pretrained(
     replacement for it: config.json keeps the source's keys that are not the architecture's
     (bos / eos / pad token ids, ...) and its tokenizer and generation files are copied.
     `dtype` (None: the params' own) is the tensors' dtype on disk: a bfloat16 model trained on
-    float32 master weights is written as the bfloat16 it computes with, the source's size.
+    float32 master weights is written as the bfloat16 it computes with.
     """
     os.makedirs(path, exist_ok=True)
     config: dict[str, Any] = {}

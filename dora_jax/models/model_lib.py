@@ -87,11 +87,16 @@ def _ones(shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any):
 
 
 def _as_computed(weight: nnx.Param, dtype: Any) -> jax.Array:
-    """A weight used in float32 math (norms, the router, the output head), as the model computes
-    it: rounded to the compute `dtype` first, like every weight a matmul of the model casts. So
-    params stored in the compute dtype (a generation engine's copy) compute exactly as float32
-    master weights (the trainer's) do, and the behaviour log-probs match the trainer's."""
-    return weight[...].astype(dtype).astype(jnp.float32)
+    """A weight used in float32 math (norms, the router, the output head), rounded to the
+    compute `dtype` first, like every weight a matmul of the model casts. So params stored in
+    the compute dtype (a generation engine's copy) compute as the float32 master weights (the
+    trainer's) do. `reduce_precision` rather than a round trip through `dtype`: XLA's GPU
+    pipeline folds f32 -> bf16 -> f32 conversions away (`SimplifyFPConversions`)."""
+    value = weight[...].astype(jnp.float32)
+    if jnp.dtype(dtype) == jnp.float32:
+        return value
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(value, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 def _zeros(shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any):

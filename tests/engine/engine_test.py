@@ -293,11 +293,22 @@ def test_generate_all_matches_one_request_at_a_time(dense):
         np.testing.assert_allclose(completion.logprobs, alone.logprobs, atol=1e-5)
 
 
-def test_a_bfloat16_engine_holds_bfloat16_params_and_decodes_as_with_the_float32_masters():
+TIED = dataclasses.replace(DENSE, architecture="Qwen2ForCausalLM", qk_norm=False,
+                           attention_bias=True, tie_word_embeddings=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("config", [DENSE, MOE, TIED], ids=["dense", "moe", "tied"])
+def test_a_bfloat16_engine_holds_bfloat16_params_and_decodes_as_with_the_float32_masters(config):
     """A bfloat16 model trains float32 master weights (`app_lib.PARAM_DTYPE`); its engine holds
-    them rounded to bfloat16, half the bytes to read per decode step, and decodes exactly as
-    the float32 params cast at use would (the model casts every weight to its compute dtype)."""
-    model = create(MOE, seed=3, param_dtype=jnp.float32, dtype=jnp.bfloat16)
+    them rounded to bfloat16, half the bytes to read per decode step, and decodes as the float32
+    params would: the model rounds every weight to its compute dtype where it uses it, norms,
+    router and output head included (every weight is perturbed off bfloat16's grid here, the
+    norms' initial 1.0 among them)."""
+    model = create(config, seed=3, param_dtype=jnp.float32, dtype=jnp.bfloat16)
+    leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    noisy = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    nnx.update(model, jax.tree.unflatten(tree, noisy))
     engine = _engine(model)
     held = engine.load_params(version=0)
     assert {x.dtype for x in held.leaves} == {np.dtype(jnp.bfloat16)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from tiny_models import DENSE
 
@@ -82,3 +83,31 @@ def test_a_stop_string_ends_a_request_mid_call_and_frees_its_slot_for_the_next()
     x.dispatch_generate(8)
     assert x.collect()[0] == [nxt]
     assert nxt.tokens == alone.tokens.tolist()
+
+
+def test_a_request_finished_earlier_in_a_read_back_that_fails_comes_back_from_fail():
+    """`collect` takes finished requests out of their slots as it records rows. When a later
+    row raises (here a stop string's text stream), `fail` must still hand back the request that
+    had finished, with the one whose row raised, for the rollout to requeue (C2)."""
+    model = create(DENSE, seed=0)
+    engine = Engine(model, max_concurrent_decodes=2, max_prefill_length=16, max_decode_length=12)
+    x = RolloutInstance(0, engine)
+    x.load(0, engine.load_params(0).state)
+    short = Request(PromptSpec(0, np.asarray([3, 7], np.int32), (2,), ignore_eos=True), 0, 1, 0)
+    texts = []
+
+    def text_of(token):
+        texts.append(token)
+        if len(texts) == 4:  # the long request's 4th token: decode step 3, after `short` ended
+            raise RuntimeError("the text stream failed")
+        return "x"
+
+    long_spec = PromptSpec(1, np.asarray([5, 9], np.int32), (8,), ignore_eos=True,
+                           stop_strings=("zzz",), text_stream=lambda: text_of)  # fmt: skip
+    long = Request(long_spec, 0, 2, 0)
+    x.dispatch_prefill([(short, 0), (long, 1)])
+    x.dispatch_generate(6)
+    with pytest.raises(RuntimeError, match="text stream failed"):
+        x.collect()
+    assert len(short.tokens) == 2  # it had finished
+    assert sorted(r.key for r in x.fail()) == [short.key, long.key]

@@ -76,7 +76,7 @@ class ResultTokens:
 @dataclasses.dataclass
 class StepResults:
     """The steps one `generate_steps` call ran (the engine's pads skipped steps with rows that
-    are not valid; a rollout stops reading at the first step with no busy slot either way)."""
+    are not valid; a rollout stops reading at the first step with no valid row either way)."""
 
     steps: list[ResultTokens]
 
@@ -327,7 +327,7 @@ class TrainerDouble:
         return {"loss": 0.0}
 
     def publish(self, target_shardings: Any | None = None, dtype: Any = None) -> Published:
-        del dtype  # the double's params are not floating-point
+        del dtype  # the double's engines hold float32, as its weights are
         self._version += 1
         self._params = self._weights(self._version)
         params = jax.device_put(self._params, target_shardings, may_alias=False)
