@@ -86,7 +86,8 @@ class TrainerProcess:
         # Imported here: the child imports this module before it may start JAX.
         from dora_jax.train.trainer_lib import publish_from_host
 
-        published = publish_from_host(lambda: self._call("publish"), target_shardings, dtype)
+        # Cast in the child, before the pipe: half the bytes for a bfloat16 engine's copy.
+        published = publish_from_host(lambda: self._call("publish", dtype), target_shardings, dtype)
         self._version = published.version
         return published
 
@@ -160,8 +161,8 @@ def _serve(conn: Any, spec: TrainerSpec) -> None:
         mesh = sharding_lib.make_mesh(jax.devices()[: spec.fsdp * spec.tp], spec.fsdp, spec.tp)
         trainer = Trainer(models.create(spec.model, seed=spec.seed), spec.train, mesh)
 
-        def publish() -> tuple[Any, int, dict[str, float]]:
-            published = trainer.publish()
+        def publish(dtype: Any) -> tuple[Any, int, dict[str, float]]:
+            published = trainer.publish(dtype=dtype)
             return host(published.params), published.version, published.metrics
 
         def restore(state: dict[str, Any]) -> int:
@@ -173,7 +174,7 @@ def _serve(conn: Any, spec: TrainerSpec) -> None:
             "state": lambda _: host(trainer.state),
             "restore": restore,
             "step": trainer.step,
-            "publish": lambda _: publish(),
+            "publish": publish,
         }
         conn.send((True, trainer.version))
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it

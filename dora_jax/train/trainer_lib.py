@@ -545,5 +545,8 @@ class MirroredTrainer:
         return self._trainer.call("step", list(trajectories))
 
     def publish(self, target_shardings: Any | None = None, dtype: Any = None) -> Published:
-        """As `Trainer.publish`; with `target_shardings` None the version stays on host."""
-        return publish_from_host(lambda: self._trainer.call("publish"), target_shardings, dtype)
+        """As `Trainer.publish`; with `target_shardings` None the version stays on host. Each
+        process casts its part to `dtype` before it is gathered."""
+        return publish_from_host(
+            lambda: self._trainer.call("publish", None, dtype), target_shardings, dtype
+        )

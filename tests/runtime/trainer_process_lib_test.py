@@ -7,6 +7,7 @@ import os
 import signal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -48,6 +49,14 @@ def test_trains_and_publishes_like_the_trainer_in_this_process(child):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
         leaf = jax.tree.leaves(published.params)[0]
         assert leaf.sharding.device_set == {jax.devices()[2]}
+    # A bfloat16 engine's copy is cast in the child: half the bytes go down the pipe.
+    published = child.publish(target, dtype=jnp.bfloat16)
+    expected = reference.publish(target, dtype=jnp.bfloat16)
+    assert published.metrics["publish_bytes"] == expected.metrics["publish_bytes"]
+    assert published.metrics["publish_bytes"] == 2 * sum(x.size for x in _leaves(expected.params))
+    for a, b in zip(_leaves(published.params), _leaves(expected.params), strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-2)
     assert not np.allclose(_leaves(child.params)[0], _leaves(tiny_model(seed=3))[0])
 
 
