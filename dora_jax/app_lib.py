@@ -513,12 +513,14 @@ def warm_up(
     length = max(len(p) + len(r) for p, r in examples)
     lr = config.sft.learning_rate
     if group is None:
-        trainer = sft_lib.SupervisedTrainer(model, mesh, lr, steps)
+        trainer = sft_lib.SupervisedTrainer(model, mesh, lr, steps, config.train.remat)
         step, finish = trainer.step, trainer.model
     else:
         graphdef, state = nnx.split(model)
         tp = mesh.shape["tp"]
-        mirrored = group.make(_group_sft, graphdef, jax.device_get(state), tp, lr, steps)
+        mirrored = group.make(
+            _group_sft, graphdef, jax.device_get(state), tp, lr, steps, config.train.remat
+        )
 
         def step(tokens: np.ndarray, mask: np.ndarray) -> float:
             return mirrored.call("step", tokens, mask)
@@ -552,9 +554,10 @@ def _group_mesh(tp: int) -> jax.sharding.Mesh:
 
 
 def _group_sft(
-    graphdef: Any, state: Any, tp: int, lr: float, steps: int
+    graphdef: Any, state: Any, tp: int, lr: float, steps: int, remat: str
 ) -> sft_lib.SupervisedTrainer:
-    return sft_lib.SupervisedTrainer(nnx.merge(graphdef, state), _group_mesh(tp), lr, steps)
+    model = nnx.merge(graphdef, state)
+    return sft_lib.SupervisedTrainer(model, _group_mesh(tp), lr, steps, remat)
 
 
 def _group_trainer(graphdef: Any, state: Any, tp: int, config: TrainConfig) -> Trainer:

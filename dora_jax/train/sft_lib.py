@@ -40,9 +40,13 @@ def pack_examples(
     return tokens, mask
 
 
-def sequence_loss(fn: Functional, params: Any, tokens: jax.Array, mask: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy over masked positions."""
-    logits = fn.logits(params, tokens)[:, :-1]
+def sequence_loss(
+    fn: Functional, params: Any, tokens: jax.Array, mask: jax.Array, remat: str = "none"
+) -> jax.Array:
+    """Mean next-token cross-entropy over masked positions; `remat` as the RL trainer's
+    (`train.remat`): long demonstrations need the same activation memory."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    logits = fn.forward(params, tokens, positions, remat=remat).logits[:, :-1]
     targets = tokens[:, 1:]
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     weights = mask[:, :-1]
@@ -53,8 +57,16 @@ class SupervisedTrainer:
     """AdamW on the sequence loss, params sharded over `mesh`, batch rows split over `fsdp` when
     it divides them (else replicated, as in the RL trainer)."""
 
-    def __init__(self, model: Transformer, mesh: Mesh, learning_rate: float, steps: int):
+    def __init__(
+        self,
+        model: Transformer,
+        mesh: Mesh,
+        learning_rate: float,
+        steps: int,
+        remat: str = "none",
+    ):
         self.fn, params = Functional.of(sharding_lib.shard_model(model, mesh))
+        self.remat = remat
         self.params = params
         warmup = max(1, steps // 10)
         schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, 2))
@@ -64,7 +76,9 @@ class SupervisedTrainer:
         self._step = jax.jit(self._update, donate_argnums=(0, 1))
 
     def _update(self, params, opt_state, tokens, mask):
-        loss, grads = jax.value_and_grad(lambda p: sequence_loss(self.fn, p, tokens, mask))(params)
+        loss, grads = jax.value_and_grad(
+            lambda p: sequence_loss(self.fn, p, tokens, mask, self.remat)
+        )(params)
         updates, opt_state = self._tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

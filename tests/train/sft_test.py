@@ -94,3 +94,22 @@ def test_step_on_a_mesh_whose_fsdp_does_not_divide_the_rows_equals_one_device():
     np.testing.assert_allclose(mesh_losses, single_losses, rtol=1e-5)
     for got, want in zip(mesh_params, single_params, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_warm_up_recomputes_layers_under_train_remat_and_learns_the_same():
+    """`train.remat` reaches the warm-up's backward pass too (long demonstrations need the
+    activation memory as much as RL's responses): its program recomputes each layer (JAX's
+    remat in the step's jaxpr), and the losses and params are those of the plain backward."""
+    tokens, mask = sft_lib.pack_examples([([1, 2, 3], [4, 5]), ([6], [7, 8, 9])], 7, 0)
+    mesh = sharding_lib.make_mesh(jax.devices()[:1], 1, 1)
+    runs = {}
+    for remat in ("none", "full"):
+        trainer = sft_lib.SupervisedTrainer(create(CONFIG, seed=0), mesh, 1e-2, 5, remat)
+        program = str(jax.make_jaxpr(trainer._update)(trainer.params, trainer.opt_state,
+                                                      tokens, mask))  # fmt: skip
+        assert ("remat" in program) == (remat == "full")
+        losses = [trainer.step(tokens, mask) for _ in range(3)]
+        runs[remat] = (losses, jax.tree.leaves(jax.device_get(trainer.params)))
+    np.testing.assert_allclose(runs["full"][0], runs["none"][0], rtol=1e-5)
+    for a, b in zip(runs["full"][1], runs["none"][1], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
