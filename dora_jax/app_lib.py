@@ -921,7 +921,11 @@ _RESUMABLE_CHANGES = (
 
 # Run-defining fields added after checkpoints were saved without them, with the value that does
 # what the code did before each existed: a run saved then goes on under a config stating it.
-_ADDED_FIELDS: dict[str, Any] = {"reward.options": {}, "engine.stop_strings": []}
+_ADDED_FIELDS: dict[str, Any] = {
+    "reward.options": {},
+    "engine.stop_strings": [],
+    "train.entropy_coef": 0.0,
+}
 
 
 def run_defining_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:

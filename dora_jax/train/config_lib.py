@@ -7,6 +7,7 @@ split fails at start-up with the field's name, not hours later inside a jitted s
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import ml_collections
@@ -65,6 +66,9 @@ class TrainConfig:
     # because the trainer keeps the params of that many past versions to recompute log-probs.
     max_staleness: int | None = None
     kl_coef: float = 0.0  # k3 KL to the reference policy; > 0 needs a reference model
+    # Entropy bonus (verl's entropy_coeff): the loss minus this times each token's entropy,
+    # aggregated as the objective is; negative values minimise entropy instead.
+    entropy_coef: float = 0.0
     aggregation: str = "token_mean"
     t_max: int | None = None  # the constant of seq_sum_over_const (max response length)
     mask_truncated: bool = False  # drop samples that hit the length limit from the loss
@@ -96,6 +100,8 @@ class TrainConfig:
             _fail("length_buckets", f"{self.length_buckets} must be non-empty and positive")
         if tuple(sorted(self.length_buckets)) != tuple(self.length_buckets):
             _fail("length_buckets", f"{self.length_buckets} must be sorted ascending")
+        if not math.isfinite(self.entropy_coef):
+            _fail("entropy_coef", f"{self.entropy_coef} must be finite")
         if self.remat not in REMAT_POLICIES:
             _fail("remat", f"{self.remat!r} is not one of {sorted(REMAT_POLICIES)}")
         if self.schedule not in SCHEDULES:

@@ -153,6 +153,7 @@ def policy_loss(
     *,
     train_behaviour_logp: jax.Array | None = None,
     ref_logp: jax.Array | None = None,
+    entropy: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The weighted loss of a (micro-)batch and sums of its metrics over the loss tokens.
 
@@ -160,6 +161,7 @@ def policy_loss(
     `sample_weights`, already zero off the mask); `advantages` [B]. Returns (loss, sums) where
     sums holds `tokens`, `ratio_sum`, `ratio_max`, one count per clip bound, and `tis_capped` /
     `kl_sum` when those are on. Values at masked positions never reach the loss or its gradient.
+    `entropy` [B, T] (each position's, differentiable) enters with `config.entropy_coef`.
     """
     on = mask > 0
     old = behaviour_logp if train_behaviour_logp is None else train_behaviour_logp
@@ -183,5 +185,7 @@ def policy_loss(
         kl = jnp.where(on, k3_kl(logp, jnp.where(on, ref_logp, jax.lax.stop_gradient(logp))), 0.0)
         per_token = per_token + config.kl_coef * kl
         sums["kl_sum"] = kl.sum()
+    if entropy is not None and config.entropy_coef:
+        per_token = per_token - config.entropy_coef * jnp.where(on, entropy, 0.0)
     loss = jnp.where(on, per_token * weights, 0.0).sum()
     return loss, sums

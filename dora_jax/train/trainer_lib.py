@@ -472,6 +472,7 @@ def _accumulate(
             config,
             train_behaviour_logp=inputs["train_behaviour_logp"],
             ref_logp=inputs["ref_logp"],
+            entropy=entropy,
         )
         sums["entropy_sum"] = jnp.where(inputs["mask"] > 0, entropy, 0.0).sum()
         sums["expert_load"] = out.expert_load

@@ -135,7 +135,7 @@ def test_a_run_saved_before_a_field_existed_resumes_with_the_fields_old_behaviou
     not."""
     config = default.get_config()
     saved = app_lib.run_defining_fields(config)
-    del saved["engine.stop_strings"], saved["reward.options"]
+    del saved["engine.stop_strings"], saved["reward.options"], saved["train.entropy_coef"]
     app_lib.check_same_run(saved, config, str(tmp_path))
     config.engine.stop_strings = ("</answer>",)
     with pytest.raises(ValueError, match=r"engine\.stop_strings: \[\] -> \['</answer>'\]"):

@@ -29,6 +29,7 @@ def test_from_config_dict():
         ({"tbs": 8, "group_size": 4, "mini_batches": 2, "micro_batch_size": 3}, "micro_batch_size"),
         ({"schedule": "linear"}, "schedule"),
         ({"remat": "minimal"}, "remat"),
+        ({"entropy_coef": float("nan")}, "entropy_coef"),
         ({"aggregation": "seq_sum_over_const"}, "t_max"),
         ({"aggregation": "sum"}, "aggregation"),
         ({"tis_cap": 2.0}, "max_staleness"),
@@ -55,6 +56,7 @@ _OVERRIDES = {
     "eps_low": 0.1, "eps_high": 0.3, "eps_neg_low": 0.3, "eps_neg_high": 3.0,
     "eps_pos_high": 0.4, "tis_cap": 2.0, "kl_coef": 0.05, "aggregation": "seq_sum_over_const",
     "t_max": 512, "mask_truncated": True, "max_skipped_steps": 3, "remat": "dots",
+    "entropy_coef": 0.01,
 }  # fmt: skip
 
 

@@ -61,7 +61,8 @@ def test_each_sample_is_weighed_against_its_own_behaviour_version():
 
 
 def _reference_grads(model, batch, config):
-    """The PPO-clip token-mean loss written directly: one unpadded forward per sample."""
+    """The PPO-clip token-mean loss written directly, with its entropy bonus: one unpadded
+    forward per sample."""
     fn, params = Functional.of(model)
     rewards = np.array([t.reward for t in batch]).reshape(-1, config.group_size)
     adv = (rewards - rewards.mean(1, keepdims=True)) / (
@@ -76,10 +77,12 @@ def _reference_grads(model, batch, config):
             seq = jnp.concatenate([t.prompt_tokens, t.response_tokens])[None]
             logp = jax.nn.log_softmax(fn.logits(params, seq)[0, :-1])
             p = len(t.prompt_tokens)
-            lp = logp[p - 1 + jnp.arange(len(t.response_tokens)), t.response_tokens]
+            rows = p - 1 + jnp.arange(len(t.response_tokens))
+            lp = logp[rows, t.response_tokens]
             r = jnp.exp(lp - t.behaviour_logprobs)
             obj = jnp.minimum(r * a, jnp.clip(r, 1 - config.eps_low, 1 + config.eps_high) * a)
-            out = out - obj.sum()
+            entropy = -(jnp.exp(logp[rows]) * logp[rows]).sum(-1)
+            out = out - obj.sum() - config.entropy_coef * entropy.sum()
         return out / total
 
     return jax.jit(jax.grad(loss))(params)
@@ -94,7 +97,10 @@ def test_update_equals_reference_gradient_with_and_without_accumulation(monkeypa
     logp = Trainer(tiny_model(), config, MESH).logprobs(batch)
     for t, lp in zip(batch, logp, strict=True):  # behaviour off the policy: some tokens clip
         t.behaviour_logprobs = (lp + rng.uniform(-0.3, 0.3, len(lp))).astype(np.float32)
-    grads = _host(_reference_grads(tiny_model(), batch, config))
+    bonus = dataclasses.replace(config, entropy_coef=0.5)
+    grads = {
+        c.entropy_coef: _host(_reference_grads(tiny_model(), batch, c)) for c in (config, bonus)
+    }
     forward = Transformer.forward
     remats = []
 
@@ -103,13 +109,15 @@ def test_update_equals_reference_gradient_with_and_without_accumulation(monkeypa
         return forward(self, *args, remat=remat, **kwargs)
 
     monkeypatch.setattr(Transformer, "forward", spy)
-    for micro, remat in ((None, "none"), (2, "none"), (2, "full")):
-        trainer = Trainer(tiny_model(), dataclasses.replace(config, micro_batch_size=micro,
-                                                            remat=remat), MESH)  # fmt: skip
+    for micro, remat, entropy_coef in ((None, "none", 0.0), (2, "none", 0.0), (2, "full", 0.0),
+                                       (2, "none", 0.5)):  # fmt: skip
+        variant = dataclasses.replace(config, micro_batch_size=micro, remat=remat,
+                                      entropy_coef=entropy_coef)  # fmt: skip
+        trainer = Trainer(tiny_model(), variant, MESH)
         before = _host(trainer.params)
         m = trainer.step(batch)
         assert m["clip_fraction/clip_low"] + m["clip_fraction/clip_high"] > 0
-        for b, a, g in zip(before, _host(trainer.params), grads, strict=True):
+        for b, a, g in zip(before, _host(trainer.params), grads[entropy_coef], strict=True):
             want = -config.learning_rate * g / (np.abs(g) + config.adam_eps)
             np.testing.assert_allclose(a - b, want, rtol=2e-3, atol=2e-6, err_msg=str(micro))
     assert "full" in remats
