@@ -112,18 +112,19 @@ class StopMatcher:
         self.strings = tuple(stop_strings)
         self.min_new_tokens = min_new_tokens
         self._stream = text_stream() if self.strings and text_stream else None
+        # Matching looks this far back: tokens for stop sequences, characters before the new
+        # text for stop strings (a match completed by the next token may start there).
+        self._longest_sequence = max(map(len, self.sequences), default=0)
+        self._text_kept = max(map(len, self.strings), default=1) - 1
         self._recent: list[int] = []  # the last tokens, as many as the longest stop sequence
         self._count = 0
-        # Text not yet searched, after the longest stop string's length - 1 characters before it
-        # (a match completed by the next token may start there).
-        self._text = ""
+        self._text = ""  # text not searched yet, after `_text_kept` characters that were
 
     def step(self, token: int) -> bool:
         """Takes the response's next token; True if a stop rule matches with it."""
         self._count += 1
-        longest = max(map(len, self.sequences), default=0)
-        if longest:
-            self._recent = [*self._recent, int(token)][-longest:]
+        if self._longest_sequence:
+            self._recent = [*self._recent, int(token)][-self._longest_sequence :]
         if self._stream is not None:
             self._text += self._stream(int(token))
         if self._count < self.min_new_tokens:
@@ -133,6 +134,5 @@ class StopMatcher:
         if self._stream is None:
             return False
         found = any(s in self._text for s in self.strings)
-        keep = max(map(len, self.strings)) - 1
-        self._text = self._text[-keep:] if keep else ""
+        self._text = self._text[-self._text_kept :] if self._text_kept else ""
         return found

@@ -326,9 +326,9 @@ class Transformer(nnx.Module):
             else _param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), param_dtype)
         )
 
-    def __call__(self, input_ids: jax.Array) -> jax.Array:
+    def __call__(self, input_ids: jax.Array, remat: str = "none") -> jax.Array:
         positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
-        return self.forward(input_ids, positions).logits
+        return self.forward(input_ids, positions, remat=remat).logits
 
     def forward(
         self,
@@ -364,9 +364,11 @@ class Transformer(nnx.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         x = self.norm(x).astype(jnp.float32)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        head = _as_computed(head, self.dtype)
-        logits = x @ (head.T if self.lm_head is None else head)
+        if self.lm_head is None:
+            head = _as_computed(self.embed_tokens, self.dtype).T
+        else:
+            head = _as_computed(self.lm_head, self.dtype)
+        logits = x @ head
         expert_load = jnp.stack(loads) if loads else jnp.zeros((0, 0), jnp.float32)
         return ForwardOutput(logits, cache, expert_load)
 
@@ -430,5 +432,5 @@ class Functional:
             tokens, positions, cache, logits_at, remat=remat, load_weights=load_weights
         )
 
-    def logits(self, params: Any, input_ids: jax.Array) -> jax.Array:
-        return nnx.merge(self.graphdef, params)(input_ids)
+    def logits(self, params: Any, input_ids: jax.Array, remat: str = "none") -> jax.Array:
+        return nnx.merge(self.graphdef, params)(input_ids, remat)

@@ -45,8 +45,7 @@ def sequence_loss(
 ) -> jax.Array:
     """Mean next-token cross-entropy over masked positions; `remat` as the RL trainer's
     (`train.remat`): long demonstrations need the same activation memory."""
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    logits = fn.forward(params, tokens, positions, remat=remat).logits[:, :-1]
+    logits = fn.logits(params, tokens, remat)[:, :-1]
     targets = tokens[:, 1:]
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     weights = mask[:, :-1]
