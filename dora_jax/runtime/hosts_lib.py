@@ -268,6 +268,9 @@ class RemoteEngine:
         self._sent = 0  # commands sent that the host answers; answer i is command i's
         self._read = 0  # answers read
         self._early: dict[int, Any] = {}  # answers read while waiting for a later one
+        # Commands sent without waiting (`post`): their answers are read in turn and dropped,
+        # an error among them raised at the next wait.
+        self._posted: set[int] = set()
         self._released: list[int] = []
         settings = self._receive()
         if isinstance(settings, HostError):
@@ -321,9 +324,17 @@ class RemoteEngine:
             raise HostError(f"{self.name}: the connection ended ({failure[0]!r})") from failure[0]
 
     def wait(self, ticket: int) -> Any:
-        """The answer to `ticket`, reading (and keeping) the earlier ones first."""
+        """The answer to `ticket`, reading (and keeping) the earlier ones first; a posted
+        command's error read on the way is raised here."""
         while ticket not in self._early:
-            self._early[self._read] = self._receive()
+            answer = self._receive()
+            if self._read in self._posted:
+                self._posted.discard(self._read)
+                if isinstance(answer, HostError):
+                    self._read += 1
+                    raise answer
+            else:
+                self._early[self._read] = answer
             self._read += 1
         answer = self._early.pop(ticket)
         if isinstance(answer, HostError):
@@ -343,6 +354,13 @@ class RemoteEngine:
 
     def call(self, command: str, *args: Any) -> Any:
         return self.wait(self.send(command, *args))
+
+    def post(self, command: str, *args: Any) -> None:
+        """Sends a command whose answer is only success or failure, without waiting for it: the
+        host runs commands in order, so the next one sees its effect, and the controller saves
+        a round trip. A failure is raised by the next answer waited for, which for a decode
+        state is the next read-back (an engine error there takes the instance out)."""
+        self._posted.add(self.send(command, *args))
 
     def release(self, key: int) -> None:
         self._released.append(key)
@@ -400,7 +418,7 @@ class RemoteEngine:
 
     def free_slot(self, state: HostHandle, slot: int) -> HostHandle:
         new = self._handle(owned=False)
-        self.call("free", state.key, new.key, slot)
+        self.post("free", state.key, new.key, slot)
         return new
 
     def export_slot(self, state: HostHandle, slot: int) -> HostHandle:
@@ -416,7 +434,7 @@ class RemoteEngine:
             else:  # a slot of another host travels through the controller
                 exported = exported.fetch()
         new = self._handle(owned=False)
-        self.call("import", state.key, new.key, slot, exported, key)
+        self.post("import", state.key, new.key, slot, exported, key)
         return new
 
     def close(self) -> None:

@@ -194,6 +194,30 @@ def test_a_silent_or_vanished_host_is_an_error_not_a_hang():
         engine.init_decode_state()
 
 
+def test_slot_frees_and_imports_do_not_wait_and_their_errors_surface_at_the_next_read():
+    """`free_slot` and `import_slot` change only the host's decode state, so the controller
+    sends them without waiting for the answer (one round trip less per turn with stop-string
+    finishes or migrations); the host runs commands in order, and an error of theirs is raised
+    by the next answer the controller waits for, where the rollout takes the instance out."""
+    ours, theirs = multiprocessing.Pipe()
+    theirs.send(SILENT_HOSTS_SETTINGS)
+    engine = hosts_lib.RemoteEngine(ours, name="scripted", timeout_s=5)
+    state = engine.free_slot(hosts_lib.HostHandle(engine, -1, owned=False), [0])
+    state = engine.import_slot(state, 0, {"kv": np.zeros(2)})
+    # Both commands are on the wire and nothing was waited for: no answer has been given yet.
+    assert [theirs.recv()[0] for _ in range(2)] == ["free", "import"]
+    assert not theirs.poll()
+    theirs.send(None)  # free: done
+    theirs.send(hosts_lib.HostError("import failed on the host"))
+    ticket = engine.send("generate_steps")
+    theirs.recv()
+    theirs.send({"tokens": [1]})
+    with pytest.raises(hosts_lib.HostError, match="import failed on the host"):
+        engine.wait(ticket)
+    assert engine.wait(ticket) == {"tokens": [1]}  # kept: the error came before it
+    assert not engine._posted and not engine._early  # no answer piles up
+
+
 def test_a_host_that_stops_reading_is_an_error_not_a_blocked_controller():
     """A command bigger than the connection's buffer (a version's weights) waits for the host
     to read it; a host that never does must fail its instance like a silent one."""
