@@ -66,15 +66,17 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.timer_steps = 64
 
     c.train.mini_batches = 4
-    # float32 logits of a micro-batch are micro x 2,560 x 151,936 x 4 bytes (6.2 GB at 4, spread
-    # over the 4 training chips, and as much again for their gradient): 16 would not fit.
-    c.train.micro_batch_size = 4
+    # Padded tokens per forward/backward pass: the float32 logits of a pass are tokens x 151,936
+    # x 4 bytes, 6.2 GB at 10,240 (spread over the 4 training chips, and as much again for their
+    # gradient), estimated. That is 4 rows of the longest bucket (2,560), and 16 of GSM8K's
+    # typical responses (bucket 512), where a fixed 4 rows ran 4x as many passes.
+    c.train.micro_batch_tokens = 10240
     c.train.learning_rate = 1e-6
     c.train.warmup_steps = 10
     c.train.schedule = "constant"
     c.train.loss = "ppo_clip"
     c.train.length_buckets = (512, 1024, 1536, 2560)
-    # Activations the backward pass keeps, estimated: ~40 bfloat16 arrays of 4 x 2,560 x 1,024
+    # Activations the backward pass keeps, estimated: ~40 bfloat16 arrays of 10,240 x 1,024
     # per layer, 23 GB over 28 layers; recomputing each layer from its input keeps 0.6 GB.
     c.train.remat = "full"
 

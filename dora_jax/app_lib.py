@@ -925,6 +925,7 @@ _ADDED_FIELDS: dict[str, Any] = {
     "reward.options": {},
     "engine.stop_strings": [],
     "train.entropy_coef": 0.0,
+    "train.micro_batch_tokens": None,
 }
 
 

@@ -8,6 +8,14 @@ Rows are sorted by length inside a mini-batch before they are cut into micro-bat
 micro-batch is padded only to the smallest length bucket that holds its longest row, so one
 long-tail sample pads its own micro-batch, not the whole batch; the few bucket lengths keep the
 number of compiled shapes small.
+
+Micro-batches hold either a fixed number of rows or as many rows as fit a token budget (verl's
+`ppo_max_token_len_per_gpu`, AReaL's `max_tokens_per_mb`). With heavy-tailed lengths a fixed
+count is a bad trade: sized for the longest responses, the short ones run many small passes;
+sized for the short ones, a micro-batch of long ones does not fit in memory. Under a budget,
+rows x padded width stays within it, so short rows go many to a pass and long ones few. The row
+counts are powers of two (a micro-batch is padded with empty rows up to one), so each length
+bucket compiles a handful of shapes, not one per count.
 """
 
 from __future__ import annotations
@@ -27,7 +35,15 @@ class MicroBatch(NamedTuple):
     targets: np.ndarray  # int32 [B, T]: tokens shifted left by one
     mask: np.ndarray  # float32 [B, T]: 1 where the target is a trained response token
     behaviour_logp: np.ndarray  # float32 [B, T]: inference log-prob of each target (0 off mask)
-    rows: np.ndarray  # int32 [B]: index of each row's sample in the iteration batch
+    # int32 [B]: index of each row's sample in the iteration batch; -1 for an empty row, which
+    # only pads a token-budget micro-batch to its shape (all-zero mask)
+    rows: np.ndarray
+
+    @property
+    def samples(self) -> np.ndarray:
+        """Each row's sample index, for gathering per-sample values; an empty row reads sample
+        0's, which its zero mask keeps out of the loss and every metric."""
+        return np.maximum(self.rows, 0)
 
 
 def group_batch(trajectories: Sequence[Trajectory], tbs: int, group_size: int) -> list[Trajectory]:
@@ -72,27 +88,61 @@ def loss_lengths(samples: Sequence[Trajectory], mask_truncated: bool) -> np.ndar
 def micro_batches(
     samples: Sequence[Trajectory],
     rows: np.ndarray,
-    micro_batch: int,
     buckets: Sequence[int],
     mask_truncated: bool,
+    *,
+    size: int | None = None,
+    tokens: int | None = None,
 ) -> list[MicroBatch]:
-    """Cuts the samples at `rows` (one mini-batch) into padded micro-batches of `micro_batch`."""
-    if len(rows) % micro_batch:
-        raise ValueError(f"{len(rows)} rows do not split into micro-batches of {micro_batch}")
-    total = [len(samples[r].prompt_tokens) + len(samples[r].response_tokens) for r in rows]
-    order = np.asarray(rows)[np.argsort(total, kind="stable")]
+    """Cuts the samples at `rows` (one mini-batch), sorted by length, into padded micro-batches
+    of `size` rows each, or of at most `tokens` padded tokens each (a row longer than that
+    trains alone). Exactly one of the two is given."""
+    if (size is None) == (tokens is None):
+        raise ValueError("micro-batches take a number of rows or a token budget, not both")
+    total = np.asarray(
+        [len(samples[r].prompt_tokens) + len(samples[r].response_tokens) for r in rows]
+    )
+    by_length = np.argsort(total, kind="stable")
+    order = np.asarray(rows)[by_length]
+    if size is not None:
+        if len(rows) % size:
+            raise ValueError(f"{len(rows)} rows do not split into micro-batches of {size}")
+        return [
+            _pad(samples, order[i : i + size], buckets, mask_truncated)
+            for i in range(0, len(order), size)
+        ]
+    assert tokens is not None
+    cut: list[list[int]] = [[]]
+    for r, length in zip(order, total[by_length], strict=True):
+        width = bucket_length(int(length), buckets)  # the micro-batch's longest row so far
+        if cut[-1] and len(cut[-1]) + 1 > _rows_within(tokens, width):
+            cut.append([])
+        cut[-1].append(int(r))
     return [
-        _pad(samples, order[i : i + micro_batch], buckets, mask_truncated)
-        for i in range(0, len(order), micro_batch)
+        _pad(
+            samples, np.asarray(c), buckets, mask_truncated, rows_to=1 << (len(c) - 1).bit_length()
+        )
+        for c in cut
     ]
 
 
+def _rows_within(tokens: int, width: int) -> int:
+    """The most rows of `width` a micro-batch of `tokens` takes: the largest power of two that
+    fits, and at least one."""
+    return 1 << max((tokens // width).bit_length() - 1, 0)
+
+
 def _pad(
-    samples: Sequence[Trajectory], rows: np.ndarray, buckets: Sequence[int], mask_truncated: bool
+    samples: Sequence[Trajectory],
+    rows: np.ndarray,
+    buckets: Sequence[int],
+    mask_truncated: bool,
+    rows_to: int = 0,
 ) -> MicroBatch:
+    """The micro-batch of `rows`, with empty rows after them up to `rows_to` rows."""
     seqs = [samples[r] for r in rows]
     width = bucket_length(max(len(t.prompt_tokens) + len(t.response_tokens) for t in seqs), buckets)
-    b = len(seqs)
+    b = max(len(seqs), rows_to)
     tokens = np.zeros((b, width), np.int32)
     mask = np.zeros((b, width), np.float32)
     behaviour = np.zeros((b, width), np.float32)
@@ -106,4 +156,6 @@ def _pad(
     targets = np.zeros_like(tokens)
     targets[:, :-1] = tokens[:, 1:]
     positions = np.broadcast_to(np.arange(width, dtype=np.int32), (b, width)).copy()
-    return MicroBatch(tokens, positions, targets, mask, behaviour, np.asarray(rows, np.int32))
+    padded_rows = np.full(b, -1, np.int32)
+    padded_rows[: len(rows)] = rows
+    return MicroBatch(tokens, positions, targets, mask, behaviour, padded_rows)

@@ -31,6 +31,11 @@ class TrainConfig:
     mini_batches: int = 1
     # Samples per forward/backward pass (gradient accumulation); None = the whole mini-batch.
     micro_batch_size: int | None = None
+    # Padded tokens per forward/backward pass, in place of micro_batch_size when set (verl's
+    # use_dynamic_bsz with ppo_max_token_len_per_gpu). Length-sorted rows go as many to a pass
+    # as fit (a power of two), so short responses take few passes and long ones stay within
+    # memory; a sequence longer than the budget trains alone.
+    micro_batch_tokens: int | None = None
     # Sequences (prompt + response) are padded to the smallest bucket that holds them; longer
     # ones to a multiple of the largest bucket.
     length_buckets: tuple[int, ...] = (32, 128, 512, 2048, 8192)
@@ -96,6 +101,11 @@ class TrainConfig:
                 f"{self.micro_batch_size} must be positive and divide the mini-batch size "
                 f"tbs / mini_batches = {mini}",
             )
+        if self.micro_batch_tokens is not None and not is_count(self.micro_batch_tokens, 1):
+            _fail(
+                "micro_batch_tokens",
+                f"{self.micro_batch_tokens!r} must be an integer >= 1 (or None)",
+            )
         if not self.length_buckets or any(b <= 0 for b in self.length_buckets):
             _fail("length_buckets", f"{self.length_buckets} must be non-empty and positive")
         if tuple(sorted(self.length_buckets)) != tuple(self.length_buckets):
@@ -142,9 +152,11 @@ class TrainConfig:
         return self.tbs // self.mini_batches
 
     @property
-    def micro_batch(self) -> int:
-        """Samples per forward/backward pass."""
-        return self.micro_batch_size or self.mini_batch_size
+    def micro_batching(self) -> dict[str, int]:
+        """`batch_lib.micro_batches`' keyword: the token budget if set, else rows per pass."""
+        if self.micro_batch_tokens is not None:
+            return {"tokens": self.micro_batch_tokens}
+        return {"size": self.micro_batch_size or self.mini_batch_size}
 
     @classmethod
     def from_dict(cls, d: Any) -> TrainConfig:

@@ -219,7 +219,7 @@ class Trainer:
         """The current policy's log-prob of each response token, one array per trajectory."""
         n = len(trajectories)
         (mb,) = batch_lib.micro_batches(
-            trajectories, np.arange(n), n, self.config.length_buckets, mask_truncated=False
+            trajectories, np.arange(n), self.config.length_buckets, False, size=n
         )
         (placed,) = self._place([mb], [()])
         logp = np.asarray(_logprobs(self._fn, self._params, *placed[:3]))
@@ -260,14 +260,14 @@ class Trainer:
             grads = _zero_grads(self._flat_shardings, param_leaves)
             mini_losses = []
             micro_batches = batch_lib.micro_batches(
-                samples, rows, cfg.micro_batch, cfg.length_buckets, cfg.mask_truncated
+                samples, rows, cfg.length_buckets, cfg.mask_truncated, **cfg.micro_batching
             )
             # The weights are built on the host, so the mini-batch goes over in one transfer
             # and no small eager op runs per micro-batch.
             placed = self._place(
                 micro_batches,
                 [
-                    (adv[mb.rows].astype(np.float32), mb.mask * weights[mb.rows][:, None])
+                    (adv[mb.samples].astype(np.float32), mb.mask * weights[mb.samples][:, None])
                     for mb in micro_batches
                 ],
             )
@@ -410,7 +410,7 @@ class Trainer:
                 self._ref.fn, self._ref.params, tokens, positions, targets
             )
         if self.config.tis_cap is not None:
-            versions = np.asarray([samples[r].version for r in mb.rows])
+            versions = np.asarray([samples[r].version for r in mb.samples])
             train_logp = jnp.zeros(mask.shape, jnp.float32)
             for v in np.unique(versions):
                 if int(v) not in self._history:

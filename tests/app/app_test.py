@@ -135,7 +135,9 @@ def test_a_run_saved_before_a_field_existed_resumes_with_the_fields_old_behaviou
     not."""
     config = default.get_config()
     saved = app_lib.run_defining_fields(config)
-    del saved["engine.stop_strings"], saved["reward.options"], saved["train.entropy_coef"]
+    for added in ("engine.stop_strings", "reward.options", "train.entropy_coef",
+                  "train.micro_batch_tokens"):  # fmt: skip
+        del saved[added]
     app_lib.check_same_run(saved, config, str(tmp_path))
     config.engine.stop_strings = ("</answer>",)
     with pytest.raises(ValueError, match=r"engine\.stop_strings: \[\] -> \['</answer>'\]"):

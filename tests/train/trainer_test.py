@@ -12,7 +12,7 @@ import pytest
 from train_fixtures import TINY, random_batch, tiny_model
 
 from dora_jax.models import Functional, Transformer, create, sharding_lib
-from dora_jax.train import TrainConfig, Trainer
+from dora_jax.train import TrainConfig, Trainer, batch_lib
 
 MESH = sharding_lib.make_mesh(jax.devices()[:1], 1, 1)
 BASE = TrainConfig(tbs=8, group_size=4, learning_rate=1e-3, length_buckets=(8, 16))
@@ -92,7 +92,7 @@ def test_update_equals_reference_gradient_with_and_without_accumulation(monkeypa
     # AdamW's first step is -lr * g / (|g| + eps); with eps >> |g| it is a linear function of
     # the gradient, so the parameter change exposes the gradient itself.
     config = dataclasses.replace(BASE, learning_rate=1e3, adam_eps=1e3, max_grad_norm=None)
-    rng = np.random.RandomState(2)
+    rng = np.random.RandomState(3)
     batch = random_batch(rng, 2, 4, max_response=12)  # lengths span both buckets
     logp = Trainer(tiny_model(), config, MESH).logprobs(batch)
     for t, lp in zip(batch, logp, strict=True):  # behaviour off the policy: some tokens clip
@@ -109,10 +109,15 @@ def test_update_equals_reference_gradient_with_and_without_accumulation(monkeypa
         return forward(self, *args, remat=remat, **kwargs)
 
     monkeypatch.setattr(Transformer, "forward", spy)
-    for micro, remat, entropy_coef in ((None, "none", 0.0), (2, "none", 0.0), (2, "full", 0.0),
-                                       (2, "none", 0.5)):  # fmt: skip
-        variant = dataclasses.replace(config, micro_batch_size=micro, remat=remat,
-                                      entropy_coef=entropy_coef)  # fmt: skip
+    # A token budget of 32 cuts this batch into micro-batches of 4, 2, 2 and 1 rows, the first
+    # padded with an empty row: none of it may change the gradient.
+    budgeted = batch_lib.micro_batches(batch, np.arange(8), config.length_buckets, False, tokens=32)
+    assert len(budgeted) > 2 and any((mb.rows < 0).any() for mb in budgeted)
+    for micro, tokens, remat, entropy_coef in ((None, None, "none", 0.0), (2, None, "none", 0.0),
+                                               (2, None, "full", 0.0), (2, None, "none", 0.5),
+                                               (2, 32, "none", 0.0)):  # fmt: skip
+        variant = dataclasses.replace(config, micro_batch_size=micro, micro_batch_tokens=tokens,
+                                      remat=remat, entropy_coef=entropy_coef)  # fmt: skip
         trainer = Trainer(tiny_model(), variant, MESH)
         before = _host(trainer.params)
         m = trainer.step(batch)
