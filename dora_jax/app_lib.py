@@ -926,6 +926,7 @@ _ADDED_FIELDS: dict[str, Any] = {
     "engine.stop_strings": [],
     "train.entropy_coef": 0.0,
     "train.micro_batch_tokens": None,
+    "train.epochs": 1,
 }
 
 

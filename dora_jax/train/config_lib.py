@@ -27,8 +27,12 @@ class TrainConfig:
     # Batch: one iteration takes exactly `tbs` samples = `tbs / group_size` complete groups.
     tbs: int = 16
     group_size: int = 4
-    # Optimizer steps per iteration; each takes `tbs / mini_batches` samples.
+    # Optimizer steps per pass over the batch; each takes `tbs / mini_batches` samples.
     mini_batches: int = 1
+    # Passes over each iteration's batch (GRPO's mu, verl's ppo_epochs, Tunix's num_iterations):
+    # epochs x mini_batches optimizer steps per iteration, every one's ratio taken against the
+    # samples' behaviour log-probs.
+    epochs: int = 1
     # Samples per forward/backward pass (gradient accumulation); None = the whole mini-batch.
     micro_batch_size: int | None = None
     # Padded tokens per forward/backward pass, in place of micro_batch_size when set (verl's
@@ -83,7 +87,7 @@ class TrainConfig:
     max_skipped_steps: int | None = 10
 
     def __post_init__(self) -> None:
-        _counts(self, 1, "tbs", "group_size", "mini_batches", "decay_steps")
+        _counts(self, 1, "tbs", "group_size", "mini_batches", "epochs", "decay_steps")
         _counts(self, 0, "warmup_steps")
         _positive(self, "learning_rate", "adam_eps")
         _non_negative(self, "weight_decay", "kl_coef", "advantage_eps")

@@ -1,7 +1,9 @@
 """The RL trainer: batches of finished trajectories in, new policy versions out.
 
 One `step` consumes exactly TBS samples (complete groups): advantages over the groups, then
-`mini_batches` optimizer steps, each accumulating gradients over length-bucketed micro-batches.
+`epochs` passes over them, each of `mini_batches` optimizer steps, each accumulating gradients
+over length-bucketed micro-batches. Every pass weighs a sample against its behaviour log-probs,
+so the ratios of later passes measure how far the earlier ones moved the policy (PPO's epochs).
 Params and optimizer state live sharded on the training mesh (FSDP + TP by `sharding_lib`'s
 rules); the jitted micro-step donates the gradient accumulator and the update donates params
 and optimizer state, so memory holds one copy of each. A non-finite loss or gradient norm keeps
@@ -248,17 +250,14 @@ class Trainer:
         adv = np.asarray(advantage_lib.compute(rewards.reshape(-1, cfg.group_size), cfg))
         adv = adv.reshape(-1)
         lengths = batch_lib.loss_lengths(samples, cfg.mask_truncated)
-        micro_sums, losses, grad_norms, oks, padded = [], [], [], [], 0
+        # Each mini-batch's micro-batches, on the mesh with their inputs, for every pass: what
+        # an input holds (weights, reference and TIS log-probs) does not change with the params.
+        minis = []
+        padded = 0
         for m in range(cfg.mini_batches):
             rows = np.arange(m * cfg.mini_batch_size, (m + 1) * cfg.mini_batch_size)
             weights = np.zeros(len(samples), np.float32)
             weights[rows] = loss_lib.sample_weights(lengths[rows], cfg.aggregation, cfg.t_max)
-            # Params and the gradient go into the micro-steps as flat tuples of leaves: a tuple
-            # flattens in C++, the params' nnx.State in Python (~0.1 ms a call, measured).
-            leaves, treedef = jax.tree.flatten(self._params)
-            param_leaves = tuple(leaves)
-            grads = _zero_grads(self._flat_shardings, param_leaves)
-            mini_losses = []
             micro_batches = batch_lib.micro_batches(
                 samples, rows, cfg.length_buckets, cfg.mask_truncated, **cfg.micro_batching
             )
@@ -271,26 +270,40 @@ class Trainer:
                     for mb in micro_batches
                 ],
             )
-            for mb, arrays in zip(micro_batches, placed, strict=True):
-                padded += mb.tokens.size
-                inputs = self._inputs(mb, arrays, samples)
-                grads, micro = _accumulate(
-                    self._fn, cfg, self._flat_shardings, treedef, param_leaves, grads, inputs
-                )
-                mini_losses.append(micro["loss"])
-                micro_sums.append(micro)
-            self._params, self._opt_state, loss, grad_norm, ok = _apply(
-                cfg,
-                self._flat_shardings,
-                self._flat_opt_shardings,
-                self._params,
-                self._opt_state,
-                jax.tree.unflatten(treedef, grads),
-                mini_losses,
+            padded += sum(mb.tokens.size for mb in micro_batches)
+            minis.append(
+                [
+                    self._inputs(mb, arrays, samples)
+                    for mb, arrays in zip(micro_batches, placed, strict=True)
+                ]
             )
-            losses.append(loss)
-            grad_norms.append(grad_norm)
-            oks.append(ok)
+        micro_sums, losses, grad_norms, oks = [], [], [], []
+        for _ in range(cfg.epochs):
+            for inputs_of_mini in minis:
+                # Params and the gradient go into the micro-steps as flat tuples of leaves: a
+                # tuple flattens in C++, the params' nnx.State in Python (~0.1 ms a call).
+                leaves, treedef = jax.tree.flatten(self._params)
+                param_leaves = tuple(leaves)
+                grads = _zero_grads(self._flat_shardings, param_leaves)
+                mini_losses = []
+                for inputs in inputs_of_mini:
+                    grads, micro = _accumulate(
+                        self._fn, cfg, self._flat_shardings, treedef, param_leaves, grads, inputs
+                    )
+                    mini_losses.append(micro["loss"])
+                    micro_sums.append(micro)
+                self._params, self._opt_state, loss, grad_norm, ok = _apply(
+                    cfg,
+                    self._flat_shardings,
+                    self._flat_opt_shardings,
+                    self._params,
+                    self._opt_state,
+                    jax.tree.unflatten(treedef, grads),
+                    mini_losses,
+                )
+                losses.append(loss)
+                grad_norms.append(grad_norm)
+                oks.append(ok)
         # Every figure of the step comes back in one device-to-host copy; no small eager op
         # runs between the micro-batches.
         micro_sums, losses, grad_norms, ok_host = jax.device_get(
@@ -310,6 +323,7 @@ class Trainer:
         ratio_max = max(float(m.pop("ratio_max")) for m in micro_sums)
         expert_load = sum(np.asarray(m.pop("expert_load"), np.float64) for m in micro_sums)
         sums = {k: float(sum(m[k] for m in micro_sums)) for k in micro_sums[0] if k != "loss"}
+        # Token sums run over every pass: the per-token means below average the passes.
         tokens = max(sums.pop("tokens"), 1.0)
         metrics = {
             "loss": float(np.mean(losses)),
@@ -317,7 +331,7 @@ class Trainer:
             "ratio_mean": sums.pop("ratio_sum") / tokens,
             "ratio_max": ratio_max,
             "entropy": sums.pop("entropy_sum") / tokens,
-            "tokens": tokens,
+            "tokens": tokens / cfg.epochs,
             "pad_fraction": 1.0
             - sum(len(t.prompt_tokens) + len(t.response_tokens) for t in samples) / padded,
             "reward_mean": float(rewards.mean()),

@@ -49,7 +49,7 @@ def test_impossible_values_name_the_field(overrides, field):
 
 # A value other than the default for every field a config file's `train` section holds.
 _OVERRIDES = {
-    "mini_batches": 4, "micro_batch_size": 8, "micro_batch_tokens": 4096,
+    "mini_batches": 4, "epochs": 2, "micro_batch_size": 8, "micro_batch_tokens": 4096,
     "length_buckets": (16, 64), "learning_rate": 3e-4,
     "warmup_steps": 5, "schedule": "cosine", "decay_steps": 50, "min_learning_rate_ratio": 0.1,
     "weight_decay": 0.01, "adam_b1": 0.8, "adam_b2": 0.99, "adam_eps": 1e-6,

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 from train_fixtures import TINY, random_batch, tiny_model
 
@@ -60,10 +61,9 @@ def test_each_sample_is_weighed_against_its_own_behaviour_version():
     assert (m["staleness/0"], m["staleness/1"], m["staleness_max"]) == (4, 4, 1)
 
 
-def _reference_grads(model, batch, config):
+def _reference_loss(fn, batch, config):
     """The PPO-clip token-mean loss written directly, with its entropy bonus: one unpadded
     forward per sample."""
-    fn, params = Functional.of(model)
     rewards = np.array([t.reward for t in batch]).reshape(-1, config.group_size)
     adv = (rewards - rewards.mean(1, keepdims=True)) / (
         rewards.std(1, ddof=1, keepdims=True) + 1e-6
@@ -85,7 +85,12 @@ def _reference_grads(model, batch, config):
             out = out - obj.sum() - config.entropy_coef * entropy.sum()
         return out / total
 
-    return jax.jit(jax.grad(loss))(params)
+    return loss
+
+
+def _reference_grads(model, batch, config):
+    fn, params = Functional.of(model)
+    return jax.jit(jax.grad(_reference_loss(fn, batch, config)))(params)
 
 
 def test_update_equals_reference_gradient_with_and_without_accumulation(monkeypatch):
@@ -126,6 +131,29 @@ def test_update_equals_reference_gradient_with_and_without_accumulation(monkeypa
             want = -config.learning_rate * g / (np.abs(g) + config.adam_eps)
             np.testing.assert_allclose(a - b, want, rtol=2e-3, atol=2e-6, err_msg=str(micro))
     assert "full" in remats
+
+
+def test_each_epoch_is_an_adam_step_from_where_the_last_one_left_the_policy():
+    """With `epochs` = 2 an iteration makes two optimizer steps on the same batch (GRPO's mu):
+    the second at the gradient of the params the first reached, its ratios still taken
+    against the samples' behaviour log-probs. Reference: optax's Adam on the loss written
+    out directly."""
+    config = dataclasses.replace(BASE, learning_rate=1e-2, max_grad_norm=None, epochs=2)
+    batch = random_batch(np.random.RandomState(4), 2, 4, max_response=12)
+    trainer = Trainer(tiny_model(), config, MESH)
+    _with_behaviour(trainer, batch)  # on-policy: the first pass's ratios are all 1
+    fn, params = Functional.of(tiny_model())
+    grad = jax.jit(jax.grad(_reference_loss(fn, batch, config)))
+    adam = optax.adam(config.learning_rate, config.adam_b1, config.adam_b2, config.adam_eps)
+    state = adam.init(params)
+    for _ in range(config.epochs):
+        updates, state = adam.update(grad(params), state, params)
+        params = optax.apply_updates(params, updates)
+    m = trainer.step(batch)
+    for got, want in zip(_host(trainer.params), _host(params), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert m["tokens"] == sum(len(t.response_tokens) for t in batch)  # counted once
+    assert m["ratio_max"] > 1  # the second pass saw how far the first moved the policy
 
 
 def test_non_finite_loss_skips_the_update_bit_for_bit():
