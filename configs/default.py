@@ -137,6 +137,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict()
     c.eval.num_prompts = 256
     c.eval.samples_per_prompt = 4  # pass@1 is their mean, pass@k their max
+    # Sampling of the held-out samples, where it differs from rollout's (`engine.*`), as verl's
+    # val_kwargs: e.g. temperature 0 for greedy pass@1. Unset = the engine's value.
+    c.eval.temperature = ml_collections.config_dict.placeholder(float)
+    c.eval.top_k = ml_collections.config_dict.placeholder(int)
+    c.eval.top_p = ml_collections.config_dict.placeholder(float)
     # Versions between held-out evaluations during RL (logged as eval/pass@1, eval/pass@k and
     # eval/version with the next iteration, and drawn in summary.png); 0 = before and after RL
     # only. Each runs at the first checkpoint barrier at or after a multiple of it, where the

@@ -117,7 +117,9 @@ _SECTION_FIELDS: dict[str, frozenset[str]] = {
         {"slots", "max_decode_length", "temperature", "top_k", "top_p", "stop_strings"}
     ),
     "sft": frozenset({"steps", "batch_size", "learning_rate"}),
-    "eval": frozenset({"num_prompts", "samples_per_prompt", "every"}),
+    "eval": frozenset(
+        {"num_prompts", "samples_per_prompt", "every", "temperature", "top_k", "top_p"}
+    ),
     "checkpoint": frozenset({"every", "keep"}),
 }
 # Sections the app reads field by field, so each must be there (`model` and `task` fields take
@@ -166,6 +168,7 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
             "runs at checkpoint barriers, where the trainer's params are at rest (or set 0)"
         )
     _named("engine.", lambda: _sampling(config))
+    _named("eval.", lambda: eval_sampling(config))
     stop_strings(config)
     if config.data.template != "chat":  # a chat template is the checkpoint's, checked on load
         _named("data.template: ", lambda: make_template(config.data.template))
@@ -224,6 +227,18 @@ def _named(prefix: str, check: Any) -> Any:
 def _sampling(config: ml_collections.ConfigDict) -> SamplingParams:
     e = config.engine
     return SamplingParams(temperature=e.temperature, top_k=e.top_k, top_p=e.top_p)
+
+
+def eval_sampling(config: ml_collections.ConfigDict) -> SamplingParams:
+    """The held-out samples' sampling: `eval.temperature` / `top_k` / `top_p` where set, the
+    engine's (rollout's) elsewhere."""
+    e, v = config.engine, config.eval
+    pick = lambda value, default: default if value is None else value
+    return SamplingParams(
+        temperature=pick(v.temperature, e.temperature),
+        top_k=pick(v.top_k, e.top_k),
+        top_p=pick(v.top_p, e.top_p),
+    )
 
 
 def stop_strings(config: ml_collections.ConfigDict) -> tuple[str, ...]:
@@ -589,17 +604,20 @@ def evaluate(
     runner: RewardRunner,
     tokenizer: Tokenizer,
 ) -> dict[str, float]:
-    """pass@1 (mean over k samples) and pass@k on the held-out prompts at rollout temperature."""
+    """pass@1 (mean over k samples) and pass@k on the held-out prompts, sampled as
+    `eval_sampling` says."""
     if not records:
         return {}
     k = config.eval.samples_per_prompt
     stops = stop_strings(config)
+    sampling = eval_sampling(config)
     requests = [
         Request(
             prompt_tokens=record["prompt_tokens"],
             seed=10_000 * i + j,
             id=(i, j),
             stop_strings=stops,
+            sampling=sampling,
         )
         for i, record in enumerate(records)
         for j in range(k)
