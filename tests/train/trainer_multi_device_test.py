@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from train_fixtures import random_batch, tiny_model
 
@@ -31,13 +32,19 @@ def _host(tree):
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
-def test_sharded_update_equals_single_device_update():
+@pytest.mark.parametrize(
+    "micro", [{}, {"micro_batch_size": None, "micro_batch_tokens": 32}], ids=["rows", "tokens"]
+)
+def test_sharded_update_equals_single_device_update(micro):
+    """Also under a token budget: its micro-batches here are 4 rows (one of them empty), 1 and
+    2 rows, and those of 1 or 2 do not divide over fsdp = 4, so they run replicated."""
+    config = dataclasses.replace(CONFIG, **micro)
     batch = random_batch(np.random.RandomState(0), 2, 4, max_response=12)
-    single = Trainer(tiny_model(), CONFIG, sharding_lib.make_mesh(jax.devices()[:1], 1, 1))
+    single = Trainer(tiny_model(), config, sharding_lib.make_mesh(jax.devices()[:1], 1, 1))
     for t, lp in zip(batch, single.logprobs(batch), strict=True):
         t.behaviour_logprobs = lp - 0.05
     mesh = sharding_lib.make_mesh(jax.devices(), 4, 2)
-    sharded = Trainer(tiny_model(), CONFIG, mesh)
+    sharded = Trainer(tiny_model(), config, mesh)
     before = _host(single.params)
     m1, m8 = single.step(batch), sharded.step(batch)
     for key in ("loss", "ratio_mean", "entropy", "grad_norm"):
