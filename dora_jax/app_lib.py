@@ -900,30 +900,77 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
     """`dora-jax eval`: held-out pass@1 / pass@k of the newest checkpoint in `workdir` (or of
     the starting policy when there is none yet)."""
     settings = validate(config)
-    if not os.path.isdir(workdir):
-        raise FileNotFoundError(
-            f"--workdir={workdir} does not exist: name a training run's workdir (an existing "
-            "directory without checkpoints evaluates the starting policy)"
-        )
+    _check_workdir(workdir, "an existing directory without checkpoints evaluates the start")
     data = load_task(config)
     model = load_policy(config, data.tokenizer.vocab_size, settings.plan.train_mesh)
     engine = make_engines(config, model, settings.plan, data.tokenizer.eos_ids)[0]
-    checkpointer = _checkpointer(config, workdir)
-    latest = checkpointer.latest_step()
-    params = engine.load_params(version=0)
-    if latest is not None:
-        saved = checkpointer.read_meta(latest).get("config")
-        check_same_run(saved, config, workdir, prefixes=("model.",))
-        trainer = Trainer(model, settings.train, settings.plan.train_mesh, reference_model=model)
-        restored = checkpointer.restore(
-            latest, train_state_like=_train_arrays(trainer.state), data_iterator=None
-        )
-        params = engine.shard_params(restored.train_state["params"], latest)
-    checkpointer.close()
+    step, saved = _checkpoint_params(config, settings, workdir, model)
+    params = engine.load_params(version=0) if step is None else engine.shard_params(saved, step)
     runner = reward_runner(config)
     scores = evaluate(engine, params, heldout_records(config, data), config, runner, data.tokenizer)
     runner.close()
-    return {"version": float(latest or 0), **scores}
+    return {"version": float(step or 0), **scores}
+
+
+def export_checkpoint(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    version: int | None = None,
+    out: str | None = None,
+) -> str:
+    """`dora-jax export`: writes the policy of checkpoint `version` (None: the newest) in
+    `workdir` as a Hugging Face model directory, as the run's `hf_policy` is written (in
+    `model.dtype`, with `model.checkpoint`'s tokenizer and generation files); returns its path,
+    by default `WORKDIR/hf_policy_v<version>`."""
+    settings = validate(config)
+    _check_workdir(workdir, "a training run's workdir")
+    data = load_task(config)
+    model = load_policy(config, data.tokenizer.vocab_size, settings.plan.train_mesh)
+    step, params = _checkpoint_params(config, settings, workdir, model, version)
+    if step is None:
+        raise FileNotFoundError(f"{workdir} holds no checkpoint to export")
+    nnx.update(model, params)
+    out = out or os.path.join(workdir, f"hf_policy_v{step}")
+    models.save_pretrained(
+        model, out, source=config.model.checkpoint or None, dtype=_DTYPES[config.model.dtype]
+    )
+    return out
+
+
+def _check_workdir(workdir: str, expected: str) -> None:
+    if not os.path.isdir(workdir):
+        raise FileNotFoundError(
+            f"--workdir={workdir} does not exist: name a training run's workdir ({expected})"
+        )
+
+
+def _checkpoint_params(
+    config: ml_collections.ConfigDict,
+    settings: Settings,
+    workdir: str,
+    model: models.Transformer,
+    step: int | None = None,
+) -> tuple[int | None, Any]:
+    """(step, the trainer's params saved there) for checkpoint `step` of `workdir` (None: the
+    newest), restored onto the training mesh; (None, None) when there is no checkpoint. A
+    checkpoint of another model is refused, naming the fields that differ."""
+    checkpointer = _checkpointer(config, workdir)
+    try:
+        steps = checkpointer.all_steps()
+        if step is not None and step not in steps:
+            raise ValueError(f"{workdir} has no checkpoint of version {step}; it has {steps}")
+        step = step if step is not None else (steps[-1] if steps else None)
+        if step is None:
+            return None, None
+        saved = checkpointer.read_meta(step).get("config")
+        check_same_run(saved, config, workdir, prefixes=("model.",))
+        trainer = Trainer(model, settings.train, settings.plan.train_mesh, reference_model=model)
+        restored = checkpointer.restore(
+            step, train_state_like=_train_arrays(trainer.state), data_iterator=None
+        )
+        return step, restored.train_state["params"]
+    finally:
+        checkpointer.close()
 
 
 # Fields a resumed run may change: where it runs, how long, what it evaluates and keeps. Any

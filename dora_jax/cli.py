@@ -1,8 +1,10 @@
-"""`dora-jax COMMAND [flags]`: train | eval | audit | bench | host.
+"""`dora-jax COMMAND [flags]`: train | eval | export | audit | bench | host.
 
 Commands follow the flax-examples convention: an ml_collections config file with
 `get_config()` (`--config=configs/default.py`) and `--config.field=value` overrides, parsed by
-absl. `audit` takes only a workdir: it re-checks C1-C3 from the ledger alone. `host` runs a
+absl. `export` writes a checkpoint's policy as a Hugging Face model directory (`--version`,
+default the newest; `--out`, default `WORKDIR/hf_policy_v<version>`). `audit` takes only a
+workdir: it re-checks C1-C3 from the ledger alone. `host` runs a
 generation or training host for a controller elsewhere (`runtime.generation_hosts`,
 `runtime.training_hosts`); the controller picks the role and sends it everything it needs.
 Every command keeps its compiled programs in JAX's persistent cache (`compilation_cache_dir`,
@@ -70,6 +72,18 @@ def _eval(argv: list[str]) -> None:
     print("  ".join(f"{k} {v:.4g}" for k, v in scores.items()))
 
 
+_VERSION = flags.DEFINE_integer("version", None, "`export`: the checkpoint (default: newest).")
+_OUT = flags.DEFINE_string("out", None, "`export`: the output directory.")
+
+
+def _export(argv: list[str]) -> None:
+    del argv
+    config = _config()
+    from dora_jax import app_lib
+
+    print(app_lib.export_checkpoint(config, _workdir(), _VERSION.value, _OUT.value))
+
+
 def _audit(argv: list[str]) -> None:
     from dora_jax.rollout import audit_lib
 
@@ -110,7 +124,14 @@ def _host(argv: list[str]) -> None:
     hosts_lib.listen(_ADDRESS.value)
 
 
-COMMANDS = {"train": _train, "eval": _eval, "audit": _audit, "bench": _bench, "host": _host}
+COMMANDS = {
+    "train": _train,
+    "eval": _eval,
+    "export": _export,
+    "audit": _audit,
+    "bench": _bench,
+    "host": _host,
+}
 
 
 def run() -> None:

@@ -68,6 +68,10 @@ class Checkpointer:
         """The newest finished step (one with orbax's commit marker), or None."""
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """Every finished step, oldest first."""
+        return sorted(self._manager.all_steps())
+
     def save(
         self,
         step: int,

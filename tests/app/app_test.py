@@ -540,6 +540,26 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
     for key in ("heldout_accuracy_before", "heldout_accuracy_after", "iterations", "wall_time_s",
                 "trained_tokens_per_s"):  # fmt: skip
         assert key in on_disk
+    # `dora-jax export` of the last checkpoint is the run's hf_policy, tensor for tensor, with
+    # the starting checkpoint's tokenizer; an earlier version exports its own, other, policy.
+    final = app_lib.export_checkpoint(config, str(workdir))
+    assert final == str(workdir / "hf_policy_v4")
+    assert (workdir / "hf_policy_v4" / "tokenizer.json").exists()
+    written = _tensors(workdir / "hf_policy")
+    exported = _tensors(final)
+    assert written.keys() == exported.keys()
+    for name, value in written.items():
+        np.testing.assert_array_equal(exported[name], value, err_msg=name)
+    earlier = _tensors(app_lib.export_checkpoint(config, str(workdir), 2, str(tmp_path / "v2")))
+    assert any(not np.array_equal(earlier[name], value) for name, value in written.items())
+    with pytest.raises(ValueError, match=r"no checkpoint of version 3; it has \[2, 4\]"):
+        app_lib.export_checkpoint(config, str(workdir), 3)
+
+
+def _tensors(directory) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(directory, "model.safetensors"))
 
 
 def test_network_hosts_wait_as_long_as_host_timeout_s(monkeypatch):
