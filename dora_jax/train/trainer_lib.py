@@ -335,6 +335,11 @@ class Trainer:
             "pad_fraction": 1.0
             - sum(len(t.prompt_tokens) + len(t.response_tokens) for t in samples) / padded,
             "reward_mean": float(rewards.mean()),
+            # Groups whose samples all scored the same: advantage 0, no gradient (what DAPO's
+            # dynamic sampling filters out). Near 1, the task is too easy or too hard.
+            "uniform_reward_groups": float(
+                (np.ptp(rewards.reshape(-1, cfg.group_size), axis=1) == 0).mean()
+            ),
             "response_length_mean": float(np.mean([len(t.response_tokens) for t in samples])),
             # verl's response_length/clip_ratio: samples cut off by the length limit.
             "truncated_fraction": float(np.mean([t.truncated for t in samples])),

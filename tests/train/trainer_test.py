@@ -41,6 +41,14 @@ def test_ratio_is_one_when_behaviour_is_the_current_policy():
     assert m["staleness/0"] == 8 and m["skipped_this_step"] == 0
 
 
+def test_groups_whose_samples_all_scored_the_same_are_counted():
+    trainer = Trainer(tiny_model(), dataclasses.replace(BASE, tbs=12), MESH)
+    batch = _with_behaviour(trainer, random_batch(np.random.RandomState(5), 3, 4))
+    for t, reward in zip(batch, [1, 1, 1, 1, 0, 1, 0, 0, 0.5, 0.5, 0.5, 0.5], strict=True):
+        t.reward = float(reward)
+    assert trainer.step(batch)["uniform_reward_groups"] == 2 / 3
+
+
 def test_each_sample_is_weighed_against_its_own_behaviour_version():
     trainer = Trainer(tiny_model(), BASE, MESH)
     rng = np.random.RandomState(1)
