@@ -408,6 +408,9 @@ class Rollout:
         nbytes = transfer_lib.tree_nbytes(exported)
         try:
             dst.import_(dst_slot, request, exported)
+        except transfer_lib.SourceError:  # `src`'s host failed to hand the slot over
+            self._fail(src, [request])
+            return
         except Exception:  # noqa: BLE001
             self._fail(dst, [request])
             return

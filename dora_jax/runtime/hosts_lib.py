@@ -111,7 +111,7 @@ def serve(connection: Any, spec: EngineSpec) -> None:
     while True:
         try:
             command, args = connection.recv()
-        except EOFError:
+        except (EOFError, OSError):  # closed; over TCP, reset when an answer went unread
             return
         if command == "drop":  # the controller let go of a handle; nothing to answer
             held.pop(args[0], None)
@@ -122,7 +122,10 @@ def serve(connection: Any, spec: EngineSpec) -> None:
             reply = _HANDLERS[command](engine, held, *args)
         except Exception:  # noqa: BLE001 - every failure goes back to the controller
             reply = HostError(traceback.format_exc())
-        connection.send(reply)
+        try:
+            connection.send(reply)
+        except OSError:  # the controller is gone: serve the next one
+            return
 
 
 def _policy(engine, held, params, version):
@@ -427,19 +430,34 @@ class RemoteEngine:
         return exported
 
     def import_slot(self, state: HostHandle, slot: int, exported: Any) -> HostHandle:
+        from dora_jax.runtime import transfer_lib
+
         key = None
         if isinstance(exported, HostHandle):
             if exported.engine is self:
                 exported, key = None, exported.key
             else:  # a slot of another host travels through the controller
-                exported = exported.fetch()
+                try:
+                    exported = exported.fetch()
+                except HostError as e:  # the source's fault (a posted free of its, say)
+                    raise transfer_lib.SourceError(
+                        f"{exported.engine.name}: could not read the slot ({e})"
+                    ) from e
         new = self._handle(owned=False)
         self.post("import", state.key, new.key, slot, exported, key)
         return new
 
     def close(self) -> None:
-        """Ends the host (it returns when its connection closes)."""
+        """Ends the host (it returns when its connection closes). Answers to posted commands
+        are read first, briefly: over TCP, closing with one unread resets the connection."""
         self._released.clear()
+        try:
+            while self._posted and self.connection.poll(min(self.timeout_s, 5.0)):
+                self.connection.recv()
+                self._posted.discard(self._read)
+                self._read += 1
+        except (EOFError, OSError):
+            pass
         self.connection.close()
         if self.process is not None:
             self.process.join(timeout=60)

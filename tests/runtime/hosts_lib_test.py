@@ -242,6 +242,72 @@ def test_a_host_that_stops_reading_is_an_error_not_a_blocked_controller():
 
 
 @pytest.mark.slow
+def test_a_migration_from_a_host_that_died_blames_it_and_keeps_the_request(tmp_path, monkeypatch):
+    """The source frees a migrated slot without waiting for the answer, so its host's failure
+    surfaces when the destination fetches the slot from it: the source is taken out, not the
+    destination, and the request is requeued, not lost."""
+    remote = hosts_lib.start_local_hosts([hosts_lib.EngineSpec(MODEL, 0, ENGINE)] * 2)
+    try:
+        rollout = _rollout(remote, str(tmp_path))
+        src, dst = rollout.instances
+        rollout.load(src, 0, None)
+        rollout.load(dst, 0, None)
+        rollout.dispatch_group(0)
+        rollout.start(
+            [(src, [(r, s) for r, s in zip(rollout.pending[0], src.free(), strict=False)])]
+        )
+        rollout.pending[0].clear()
+        src.dispatch_generate(1)
+        src.collect()
+        slot = src.active()[0]
+        request = src.slots[slot]
+        export = src.export
+
+        def export_then_die(slot):
+            out = export(slot)
+            remote[0].process.kill()
+            remote[0].process.join()
+            return out
+
+        monkeypatch.setattr(src, "export", export_then_die)
+        rollout.migrate(src, slot, dst, dst.free()[0])
+        assert not src.healthy and dst.healthy
+        assert request in rollout.pending[rollout.window.newest]
+        assert not dst.active()
+    finally:
+        for engine in remote:
+            engine.close()
+
+
+def test_a_host_outlives_a_controller_that_left_an_answer_unread():
+    """Over TCP, a controller that closes with an answer still unread resets the connection;
+    the host must take that as the end of the connection and serve the next controller."""
+    from multiprocessing.connection import Client, Listener
+
+    listener = Listener(("127.0.0.1", 0), authkey=b"k")
+    ended: list[BaseException | None] = []
+
+    def host():
+        with listener.accept() as connection:
+            try:
+                hosts_lib.serve(connection, hosts_lib.EngineSpec(MODEL, 0, ENGINE))
+                ended.append(None)
+            except BaseException as e:  # noqa: BLE001 - the test reads it below
+                ended.append(e)
+
+    thread = threading.Thread(target=host, daemon=True)
+    thread.start()
+    client = Client(listener.address, authkey=b"k")
+    client.recv()  # the engine's settings
+    client.send(("free", (0, 1, 0)))  # answered with an error: no decode state 0
+    assert client.poll(60)  # the answer is here, and stays unread
+    client.close()
+    thread.join(60)
+    listener.close()
+    assert ended == [None]
+
+
+@pytest.mark.slow
 def test_a_dead_host_is_blamed_not_the_instance_copying_a_version_from_it(tmp_path):
     """Copying a version from an instance whose host died must take that instance out and load
     the trainer's copy instead: failing the healthy destination cascaded through every instance
