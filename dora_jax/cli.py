@@ -31,7 +31,7 @@ def _workdir(default: str = "runs/default") -> str:
     return _WORKDIR.value if _WORKDIR.value is not None else default
 
 
-def _config():
+def _config(command: str):
     if not flags.FLAGS["verbosity"].present:
         # orbax logs every checkpoint step at INFO, which buries the progress display;
         # `--verbosity=0` brings those logs back.
@@ -39,6 +39,9 @@ def _config():
     for name in _HOST_FLAGS:
         if flags.FLAGS[name].present:  # ignored here: the config's field decides
             sys.exit(f"--{name} is `dora-jax host`'s flag; here set --config.{name} instead")
+    for name in _EXPORT_FLAGS:
+        if command != "export" and flags.FLAGS[name].present:
+            sys.exit(f"--{name} is `dora-jax export`'s flag, not `{command}`'s")
     config = _CONFIG.value
     if config is None:
         sys.exit("--config=configs/<name>.py is required")
@@ -49,7 +52,7 @@ def _config():
 
 def _train(argv: list[str]) -> None:
     del argv
-    config = _config()
+    config = _config("train")
     from dora_jax import app_lib
 
     summary = app_lib.train_and_evaluate(config, _workdir())
@@ -65,7 +68,7 @@ def _train(argv: list[str]) -> None:
 
 def _eval(argv: list[str]) -> None:
     del argv
-    config = _config()
+    config = _config("eval")
     from dora_jax import app_lib
 
     scores = app_lib.evaluate_checkpoint(config, _workdir())
@@ -74,11 +77,12 @@ def _eval(argv: list[str]) -> None:
 
 _VERSION = flags.DEFINE_integer("version", None, "`export`: the checkpoint (default: newest).")
 _OUT = flags.DEFINE_string("out", None, "`export`: the output directory.")
+_EXPORT_FLAGS = ("version", "out")
 
 
 def _export(argv: list[str]) -> None:
     del argv
-    config = _config()
+    config = _config("export")
     from dora_jax import app_lib
 
     print(app_lib.export_checkpoint(config, _workdir(), _VERSION.value, _OUT.value))
@@ -93,7 +97,7 @@ def _audit(argv: list[str]) -> None:
 
 def _bench(argv: list[str]) -> None:
     del argv
-    config = _config()
+    config = _config("bench")
     from dora_jax.rollout import bench_lib
 
     bench_lib.run_bench(config, _workdir("runs/bench"))

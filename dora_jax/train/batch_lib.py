@@ -93,10 +93,13 @@ def micro_batches(
     *,
     size: int | None = None,
     tokens: int | None = None,
+    min_rows: int = 1,
 ) -> list[MicroBatch]:
     """Cuts the samples at `rows` (one mini-batch), sorted by length, into padded micro-batches
     of `size` rows each, or of at most `tokens` padded tokens each (a row longer than that
-    trains alone). Exactly one of the two is given."""
+    trains alone). Exactly one of the two is given. A token-budget micro-batch has at least
+    `min_rows` rows (the training mesh's fsdp size: fewer rows than devices would not split
+    over them, and every device would compute them all)."""
     if (size is None) == (tokens is None):
         raise ValueError("micro-batches take a number of rows or a token budget, not both")
     total = np.asarray(
@@ -120,7 +123,11 @@ def micro_batches(
         cut[-1].append(int(r))
     return [
         _pad(
-            samples, np.asarray(c), buckets, mask_truncated, rows_to=1 << (len(c) - 1).bit_length()
+            samples,
+            np.asarray(c),
+            buckets,
+            mask_truncated,
+            rows_to=max(1 << (len(c) - 1).bit_length(), min_rows),
         )
         for c in cut
     ]

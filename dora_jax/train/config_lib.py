@@ -35,10 +35,11 @@ class TrainConfig:
     epochs: int = 1
     # Samples per forward/backward pass (gradient accumulation); None = the whole mini-batch.
     micro_batch_size: int | None = None
-    # Padded tokens per forward/backward pass, in place of micro_batch_size when set (verl's
-    # use_dynamic_bsz with ppo_max_token_len_per_gpu). Length-sorted rows go as many to a pass
-    # as fit (a power of two), so short responses take few passes and long ones stay within
-    # memory; a sequence longer than the budget trains alone.
+    # Padded tokens per forward/backward pass over the whole training mesh, in place of
+    # micro_batch_size when set (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu, which
+    # counts per device). Length-sorted rows go as many to a pass as fit (a power of two, and at
+    # least one row per fsdp device), so short responses take few passes and long ones stay
+    # within memory; a sequence longer than the budget trains alone.
     micro_batch_tokens: int | None = None
     # Sequences (prompt + response) are padded to the smallest bucket that holds them; longer
     # ones to a multiple of the largest bucket.

@@ -259,7 +259,12 @@ class Trainer:
             weights = np.zeros(len(samples), np.float32)
             weights[rows] = loss_lib.sample_weights(lengths[rows], cfg.aggregation, cfg.t_max)
             micro_batches = batch_lib.micro_batches(
-                samples, rows, cfg.length_buckets, cfg.mask_truncated, **cfg.micro_batching
+                samples,
+                rows,
+                cfg.length_buckets,
+                cfg.mask_truncated,
+                min_rows=self.mesh.shape["fsdp"],
+                **cfg.micro_batching,
             )
             # The weights are built on the host, so the mini-batch goes over in one transfer
             # and no small eager op runs per micro-batch.
@@ -284,13 +289,18 @@ class Trainer:
                 # tuple flattens in C++, the params' nnx.State in Python (~0.1 ms a call).
                 leaves, treedef = jax.tree.flatten(self._params)
                 param_leaves = tuple(leaves)
-                grads = _zero_grads(self._flat_shardings, param_leaves)
-                mini_losses = []
+                grads, mini_loss = _zero_grads(self._flat_shardings, param_leaves)
                 for inputs in inputs_of_mini:
-                    grads, micro = _accumulate(
-                        self._fn, cfg, self._flat_shardings, treedef, param_leaves, grads, inputs
+                    grads, mini_loss, micro = _accumulate(
+                        self._fn,
+                        cfg,
+                        self._flat_shardings,
+                        treedef,
+                        param_leaves,
+                        grads,
+                        mini_loss,
+                        inputs,
                     )
-                    mini_losses.append(micro["loss"])
                     micro_sums.append(micro)
                 self._params, self._opt_state, loss, grad_norm, ok = _apply(
                     cfg,
@@ -299,7 +309,7 @@ class Trainer:
                     self._params,
                     self._opt_state,
                     jax.tree.unflatten(treedef, grads),
-                    mini_losses,
+                    mini_loss,
                 )
                 losses.append(loss)
                 grad_norms.append(grad_norm)
@@ -322,7 +332,7 @@ class Trainer:
             )
         ratio_max = max(float(m.pop("ratio_max")) for m in micro_sums)
         expert_load = sum(np.asarray(m.pop("expert_load"), np.float64) for m in micro_sums)
-        sums = {k: float(sum(m[k] for m in micro_sums)) for k in micro_sums[0] if k != "loss"}
+        sums = {k: float(sum(m[k] for m in micro_sums)) for k in micro_sums[0]}
         # Token sums run over every pass: the per-token means below average the passes.
         tokens = max(sums.pop("tokens"), 1.0)
         metrics = {
@@ -430,6 +440,7 @@ class Trainer:
             )
         if self.config.tis_cap is not None:
             versions = np.asarray([samples[r].version for r in mb.samples])
+            versions[mb.rows < 0] = versions[0]  # an empty row needs no forward of its own
             train_logp = jnp.zeros(mask.shape, jnp.float32)
             for v in np.unique(versions):
                 if int(v) not in self._history:
@@ -454,11 +465,12 @@ def _constrain(tree: Any, shardings: tuple[NamedSharding, ...]) -> Any:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _zero_grads(shardings: tuple[NamedSharding, ...], leaves: tuple[jax.Array, ...]) -> Any:
-    """A zero gradient per param leaf, on its sharding (one call, not one op per leaf)."""
-    return _constrain(tuple(jnp.zeros_like(x) for x in leaves), shardings)
+    """A zero gradient per param leaf, on its sharding, and a zero loss: the accumulators of a
+    mini-batch (one call, not one op per leaf)."""
+    return _constrain(tuple(jnp.zeros_like(x) for x in leaves), shardings), jnp.zeros(())
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=5)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6))
 def _accumulate(
     fn: Functional,
     config: TrainConfig,
@@ -466,10 +478,13 @@ def _accumulate(
     treedef: Any,
     param_leaves: tuple[jax.Array, ...],
     acc: tuple[jax.Array, ...],
+    loss_acc: jax.Array,
     inputs: dict[str, Any],
-) -> tuple[Any, dict[str, jax.Array]]:
-    """acc + the gradient of one micro-batch's (pre-weighted) loss, and its metric sums; the
-    params and the gradients are flat leaves of `treedef`."""
+) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
+    """acc + the gradient of one micro-batch's (pre-weighted) loss, loss_acc + that loss, and
+    its metric sums; the params and the gradients are flat leaves of `treedef`. The loss is
+    summed here, not in `_apply`, so that a mini-batch's number of micro-batches (which a token
+    budget varies) is no argument of a compiled program."""
     params = jax.tree.unflatten(treedef, param_leaves)
 
     def loss_fn(params):
@@ -498,9 +513,8 @@ def _accumulate(
         return loss, sums
 
     (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    sums["loss"] = loss
     summed = tuple(map(jnp.add, acc, jax.tree.leaves(grads)))
-    return _constrain(summed, shardings), sums
+    return _constrain(summed, shardings), loss_acc + loss, sums
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
@@ -511,12 +525,12 @@ def _apply(
     params: Any,
     opt_state: Any,
     grads: Any,
-    micro_losses: list[jax.Array],
+    loss: jax.Array,
 ):
     """One optimizer step, or none (bit-identical state) if the loss or gradient is not finite.
-    Returns the new params and optimizer state, the mini-batch's loss (the sum of its
-    micro-batches' pre-weighted losses), its gradient norm and whether the step was applied."""
-    loss = sum(micro_losses)
+    `loss` is the mini-batch's (the sum of its micro-batches' pre-weighted losses). Returns the
+    new params and optimizer state, the loss, its gradient norm and whether the step was
+    applied."""
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
     updates, new_opt_state = optimizer_lib.make(config).update(grads, opt_state, params)

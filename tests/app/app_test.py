@@ -327,6 +327,14 @@ def test_cli_help_lists_its_flags_and_host_flags_are_refused_elsewhere():
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert refused.returncode != 0 and "--config.num_cpu_devices" in refused.stderr
+    refused = subprocess.run(  # `eval --version=2` scored the newest checkpoint, not version 2
+        command + ["eval", "--config=configs/default.py", "--version=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "`dora-jax export`'s flag" in refused.stderr
+    shown = subprocess.run(command + ["--help"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    assert "--version" in shown.stdout and "export" in shown.stdout
 
 
 # `dora-jax train`, interrupted (Ctrl-C, a preemption) while its checkpoint 2 is being written.

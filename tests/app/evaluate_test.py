@@ -37,12 +37,18 @@ def _greedy(fn, params, prompt, max_new, eos_ids):
     return tokens[len(prompt) :]
 
 
-@pytest.mark.parametrize("temperature", [0.0, None])
-def test_held_out_samples_decode_with_the_eval_sampling(temperature):
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0.0}, {"top_k": 1}, {"top_p": 1e-6}, {}],
+    ids=["temperature_0", "top_k_1", "top_p_tiny", "engine"],
+)
+def test_held_out_samples_decode_with_the_eval_sampling(sampling):
+    """Each of eval's fields alone makes decoding greedy (the rest keep the engine's
+    temperature 1); with none set, samples leave the argmax path."""
     config = default.get_config()
     config.eval.num_prompts = 4
     config.eval.samples_per_prompt = 2
-    config.eval.temperature = temperature  # None: the engine's temperature 1
+    config.eval.update(sampling)
     settings = app_lib.validate(config)
     data = app_lib.load_task(config)
     model = app_lib.load_policy(config, data.tokenizer.vocab_size, settings.plan.train_mesh)
@@ -64,7 +70,7 @@ def test_held_out_samples_decode_with_the_eval_sampling(temperature):
         for r in records
     ]
     sampled = [[reward.texts[(i, j)] for j in range(2)] for i in range(len(records))]
-    if temperature == 0.0:
+    if sampling:
         assert sampled == [[text, text] for text in greedy]
     else:  # sampled at temperature 1, not greedily: some sample leaves the argmax path
         assert any(

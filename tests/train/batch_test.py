@@ -69,11 +69,18 @@ def test_rows_hold_prompt_response_and_aligned_behaviour(seed, micro, mask):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), budget=st.integers(1, 80), mask=st.booleans())
-def test_a_token_budget_packs_rows_greedily_within_it_in_powers_of_two(seed, budget, mask):
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    budget=st.integers(1, 80),
+    mask=st.booleans(),
+    fsdp=st.sampled_from([1, 2, 4]),
+)
+def test_a_token_budget_packs_rows_greedily_within_it_in_powers_of_two(seed, budget, mask, fsdp):
     samples = _samples(seed, mask)
     buckets = (4, 8, 16)
-    mbs = batch_lib.micro_batches(samples, np.arange(8), buckets, mask, tokens=budget)
+    mbs = batch_lib.micro_batches(
+        samples, np.arange(8), buckets, mask, tokens=budget, min_rows=fsdp
+    )
     _check_rows(samples, mbs, buckets, mask)
 
     def fits(n: int, width: int) -> bool:  # n rows in a power-of-two micro-batch of `width`
@@ -82,9 +89,10 @@ def test_a_token_budget_packs_rows_greedily_within_it_in_powers_of_two(seed, bud
     for k, mb in enumerate(mbs):
         real = [r for r in mb.rows if r >= 0]
         b, width = mb.tokens.shape
-        assert b == 1 << (len(real) - 1).bit_length()  # padded to the next power of two
+        # Padded to the next power of two, and to one row per fsdp device at least.
+        assert b == max(1 << (len(real) - 1).bit_length(), fsdp)
         assert list(mb.rows[: len(real)]) == real and (mb.rows[len(real) :] == -1).all()
-        assert b * width <= budget or len(real) == 1  # a longer row trains alone
+        assert fits(len(real), width)  # within the budget, or a longer row alone
         if k + 1 < len(mbs):  # greedy: the next row could not have joined this micro-batch
             nxt = mbs[k + 1].rows[0]
             grown = batch_lib.bucket_length(_total(samples[nxt]), buckets)

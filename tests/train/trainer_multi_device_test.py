@@ -12,7 +12,7 @@ from flax import nnx
 from train_fixtures import random_batch, tiny_model
 
 from dora_jax.models import sharding_lib
-from dora_jax.train import TrainConfig, Trainer
+from dora_jax.train import TrainConfig, Trainer, batch_lib
 
 # Linear first AdamW step (eps >> |g|): parameter changes are proportional to the gradient, so
 # the comparison checks the sharded gradient itself, not just its sign.
@@ -36,10 +36,22 @@ def _host(tree):
     "micro", [{}, {"micro_batch_size": None, "micro_batch_tokens": 32}], ids=["rows", "tokens"]
 )
 def test_sharded_update_equals_single_device_update(micro):
-    """Also under a token budget: its micro-batches here are 4 rows (one of them empty), 1 and
-    2 rows, and those of 1 or 2 do not divide over fsdp = 4, so they run replicated."""
+    """Also under a token budget: its micro-batches here hold 3, 1, 2 and 2 samples, each padded
+    with empty rows to 4, one row per fsdp device."""
     config = dataclasses.replace(CONFIG, **micro)
     batch = random_batch(np.random.RandomState(0), 2, 4, max_response=12)
+    if config.micro_batch_tokens:
+        cut = [
+            mb
+            for m in range(2)
+            for mb in batch_lib.micro_batches(
+                batch, np.arange(4 * m, 4 * m + 4), config.length_buckets, False,
+                tokens=config.micro_batch_tokens, min_rows=4,
+            )
+        ]  # fmt: skip
+        assert [(int((mb.rows >= 0).sum()), mb.tokens.shape) for mb in cut] == [
+            (3, (4, 8)), (1, (4, 16)), (2, (4, 16)), (2, (4, 16))
+        ]  # fmt: skip
     single = Trainer(tiny_model(), config, sharding_lib.make_mesh(jax.devices()[:1], 1, 1))
     for t, lp in zip(batch, single.logprobs(batch), strict=True):
         t.behaviour_logprobs = lp - 0.05
