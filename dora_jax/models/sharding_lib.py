@@ -48,11 +48,15 @@ def partition_spec(
     used: set[str] = set()
     for dim, name in zip(shape, logical_axes, strict=True):
         axis = rules.get(name) if name is not None else None
-        if axis is None or axis in used or dim % mesh.shape[axis]:
+        # An axis of one device shards nothing, and jit hands it back dropped: left in, the
+        # same sharding is spelled two ways and every program taking it compiles twice.
+        if axis is None or axis in used or dim % mesh.shape[axis] or mesh.shape[axis] == 1:
             spec.append(None)
         else:
             spec.append(axis)
             used.add(axis)
+    while spec and spec[-1] is None:  # P(None,) is P(), as jit hands it back
+        spec.pop()
     return PartitionSpec(*spec)
 
 

@@ -12,7 +12,7 @@ from flax import nnx
 from train_fixtures import random_batch, tiny_model
 
 from dora_jax.models import sharding_lib
-from dora_jax.train import TrainConfig, Trainer, batch_lib
+from dora_jax.train import TrainConfig, Trainer, batch_lib, trainer_lib
 
 # Linear first AdamW step (eps >> |g|): parameter changes are proportional to the gradient, so
 # the comparison checks the sharded gradient itself, not just its sign.
@@ -94,3 +94,21 @@ def test_max_grad_norm_clips_identically_on_both_meshes():
     norms = [t.step(batch)["grad_norm"] for t in trainers]
     np.testing.assert_allclose(norms[0], norms[1], rtol=1e-4)
     assert norms[0] > 1e-3  # the clip was active
+
+
+@pytest.mark.parametrize("fsdp,tp", [(1, 1), (2, 1), (4, 2)])
+def test_the_update_compiles_once_on_every_mesh_shape(fsdp, tp):
+    """The params and optimizer state the first update returns must carry the shardings they
+    went in with, spelled the same: jit hands back `P('fsdp')` for `P('fsdp', 'tp')` on a
+    1-wide tp axis and `P()` for `P(None,)`, and each spelling compiled the whole update anew."""
+    mesh = sharding_lib.make_mesh(jax.devices()[: fsdp * tp], fsdp, tp)
+    # A learning rate of its own: no other test's compilation of this config is in the cache.
+    config = dataclasses.replace(CONFIG, learning_rate=1e3 + 10 * fsdp + tp)
+    trainer = Trainer(tiny_model(), config, mesh)
+    before = trainer_lib._apply._cache_size()
+    for seed in range(3):
+        batch = random_batch(np.random.RandomState(seed), 2, 4, max_response=12)
+        for t, lp in zip(batch, trainer.logprobs(batch), strict=True):
+            t.behaviour_logprobs = lp
+        trainer.step(batch)
+    assert trainer_lib._apply._cache_size() == before + 1

@@ -185,9 +185,7 @@ def test_a_token_budget_compiles_one_optimizer_update_whatever_its_micro_batch_c
         return len(batch_lib.micro_batches(batch, np.arange(8), config.length_buckets, False,
                                            tokens=config.micro_batch_tokens))  # fmt: skip
 
-    # Two steps of 3 micro-batches first (on one device the second step's update compiles
-    # again: its params come back with the same shardings spelled otherwise).
-    assert [step(0), step(6)] == [3, 3]
+    assert step(0) == 3
     compiled = trainer_lib._apply._cache_size()
     assert [step(1), step(2)] == [4, 4]
     assert trainer_lib._apply._cache_size() == compiled
