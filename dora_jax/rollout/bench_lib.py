@@ -120,16 +120,32 @@ def precompile_engines(engines: list[Engine], decode_steps: Iterable[int]) -> No
 
 
 def precompile_trainer(trainer: TrainerLike, config: ml_collections.ConfigDict) -> None:
-    """Compiles a training step per length bucket; the caller restores the trainer's state."""
+    """Compiles a training step per micro-batch shape the workload can meet; the caller
+    restores the trainer's state. Rows of one length cover each length bucket; under a token
+    budget (`train.micro_batch_tokens`) each bucket also needs every smaller power-of-two row
+    count, which a batch of that many rows of the bucket's length, the rest of the longest,
+    gives wherever the longest rows cannot join them."""
     r, w = config.rollout, config.workload
     longest = w.prompt_length + w.max_length
-    for bucket in config.train.length_buckets:
+    tbs, buckets = r.train_batch_size, tuple(config.train.length_buckets)
+    lengths = []
+    for bucket in buckets:
         n = min(bucket, longest) - w.prompt_length
-        if n < 1:
-            continue
-        trainer.step(training_batch(config, [n] * r.train_batch_size, trainer.version))
+        if n >= 1:
+            lengths.append(n)
         if bucket >= longest:
             break
+    batches = [[n] * tbs for n in lengths]
+    if config.train.get("micro_batch_tokens"):
+        batches += [[n] * rows + [lengths[-1]] * (tbs - rows) for n in lengths[:-1]
+                    for rows in _powers_of_two(tbs - 1)]  # fmt: skip
+    for batch in batches:
+        trainer.step(training_batch(config, batch, trainer.version))
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to `limit`."""
+    return [1 << i for i in range(limit.bit_length())]
 
 
 def training_batch(

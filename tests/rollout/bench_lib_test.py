@@ -191,6 +191,33 @@ def test_precompile_covers_every_admission_shape_for_any_slot_count_and_decode_c
     assert engine._admit_jit._cache_size() == compiled  # nothing new compiled mid-run
 
 
+def test_precompile_covers_every_micro_batch_shape_of_a_token_budget():
+    """Under `train.micro_batch_tokens` the micro-batches of a step take any power-of-two row
+    count per length bucket; after `precompile_trainer`, steps on the workload's heavy-tailed
+    lengths compile no micro-step of their own (they would land in the measured runs)."""
+    from dora_jax import models
+    from dora_jax.models import sharding_lib
+    from dora_jax.rollout.config_lib import RolloutConfig, train_config
+    from dora_jax.train import Trainer, trainer_lib
+
+    config = tiny_config()
+    config.train.length_buckets = (8, 16, 32)
+    config.train.micro_batch_tokens = 48  # 4 rows of 8, 2 of 16, 1 of the longest (32)
+    rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "mode": "dora"})
+    model = models.create(models.ModelConfig(**config.model.to_dict()), seed=0)
+    trainer = Trainer(
+        model, train_config(rollout, config.train), sharding_lib.make_mesh(jax.devices()[:1], 1, 1)
+    )
+    bench_lib.precompile_trainer(trainer, config)
+    compiled = trainer_lib._accumulate._cache_size()
+    w, rng = config.workload, np.random.default_rng(0)
+    for _ in range(12):
+        lengths = np.exp(np.log(w.median_length) + w.sigma * rng.standard_normal(8))
+        lengths = np.clip(lengths, 1, w.max_length).astype(int)
+        trainer.step(bench_lib.training_batch(config, lengths, trainer.version))
+    assert trainer_lib._accumulate._cache_size() == compiled
+
+
 @pytest.mark.slow
 def test_on_generation_hosts_the_bench_writes_the_same_ledger(tmp_path):
     config = tiny_config()
