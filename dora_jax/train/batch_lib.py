@@ -41,9 +41,10 @@ class MicroBatch(NamedTuple):
 
     @property
     def samples(self) -> np.ndarray:
-        """Each row's sample index, for gathering per-sample values; an empty row reads sample
-        0's, which its zero mask keeps out of the loss and every metric."""
-        return np.maximum(self.rows, 0)
+        """Each row's sample index, for gathering per-sample values; an empty row reads the
+        first row's (always a real one), which its zero mask keeps out of the loss and every
+        metric, and which adds no version of its own to those the micro-batch holds."""
+        return np.where(self.rows < 0, self.rows[0], self.rows)
 
 
 def group_batch(trajectories: Sequence[Trajectory], tbs: int, group_size: int) -> list[Trajectory]:

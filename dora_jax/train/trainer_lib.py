@@ -440,7 +440,6 @@ class Trainer:
             )
         if self.config.tis_cap is not None:
             versions = np.asarray([samples[r].version for r in mb.samples])
-            versions[mb.rows < 0] = versions[0]  # an empty row needs no forward of its own
             train_logp = jnp.zeros(mask.shape, jnp.float32)
             for v in np.unique(versions):
                 if int(v) not in self._history:
