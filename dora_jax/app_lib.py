@@ -952,8 +952,9 @@ def _checkpoint_params(
     step: int | None = None,
 ) -> tuple[int | None, Any]:
     """(step, the trainer's params saved there) for checkpoint `step` of `workdir` (None: the
-    newest), restored onto the training mesh; (None, None) when there is no checkpoint. A
-    checkpoint of another model is refused, naming the fields that differ."""
+    newest), restored onto the training mesh, and nothing else of the train state; (None, None)
+    when there is no checkpoint. A checkpoint of another model is refused, naming the fields
+    that differ; other settings (the trainer's among them) may differ freely."""
     checkpointer = _checkpointer(config, workdir)
     try:
         steps = checkpointer.all_steps()
@@ -964,11 +965,12 @@ def _checkpoint_params(
             return None, None
         saved = checkpointer.read_meta(step).get("config")
         check_same_run(saved, config, workdir, prefixes=("model.",))
-        trainer = Trainer(model, settings.train, settings.plan.train_mesh, reference_model=model)
-        restored = checkpointer.restore(
-            step, train_state_like=_train_arrays(trainer.state), data_iterator=None
+        _, params = models.Functional.of(model)
+        shardings = sharding_lib.param_shardings(params, settings.plan.train_mesh)
+        like = jax.tree.map(
+            lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params, shardings
         )
-        return step, restored.train_state["params"]
+        return step, checkpointer.restore_params(step, like)
     finally:
         checkpointer.close()
 

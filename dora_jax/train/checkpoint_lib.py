@@ -101,12 +101,8 @@ class Checkpointer:
 
         `data_iterator` is advanced in place to the saved position.
         """
-
-        def abstract(tree: Any) -> Any:
-            return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
-
         items: dict[str, Any] = {
-            "train_state": ocp.args.StandardRestore(abstract(train_state_like)),
+            "train_state": ocp.args.StandardRestore(_abstract(train_state_like)),
             "meta": ocp.args.JsonRestore(),
         }
         if data_iterator is not None:
@@ -114,6 +110,23 @@ class Checkpointer:
         with self._naming(step):
             out = self._manager.restore(step, args=ocp.args.Composite(**items))
         return Restored(step, out["train_state"], dict(out["meta"]))
+
+    def restore_params(self, step: int, params_like: Any) -> Any:
+        """The trainer's params of `step` alone, onto the shardings of `params_like`.
+
+        Evaluating or exporting a policy needs nothing else: this reads neither the optimizer
+        state (twice the params, with Adam) nor the reference policy, so it fits where one
+        copy of the model does, whatever trainer settings saved the checkpoint.
+        """
+        like = {"params": _abstract(params_like)}
+        args = ocp.args.PyTreeRestore(
+            item=like,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(like),
+            partial_restore=True,
+        )
+        with self._naming(step):
+            out = self._manager.restore(step, args=ocp.args.Composite(train_state=args))
+        return out["train_state"]["params"]
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """The JSON meta of `step` alone: what a caller checks before restoring any array."""
@@ -134,3 +147,7 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)

@@ -562,6 +562,13 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
     assert any(not np.array_equal(earlier[name], value) for name, value in written.items())
     with pytest.raises(ValueError, match=r"no checkpoint of version 3; it has \[2, 4\]"):
         app_lib.export_checkpoint(config, str(workdir), 3)
+    # Export reads the params alone: under other trainer settings (here without the KL
+    # reference the checkpoint holds, and with TIS history it does not) it writes the same
+    # policy.
+    config.train.update(kl_coef=0.0, tis_cap=2.0, max_staleness=2)
+    again = _tensors(app_lib.export_checkpoint(config, str(workdir), out=str(tmp_path / "v4")))
+    for name, value in written.items():
+        np.testing.assert_array_equal(again[name], value, err_msg=name)
 
 
 def _tensors(directory) -> dict[str, np.ndarray]:

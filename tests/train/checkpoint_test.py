@@ -59,6 +59,31 @@ def test_resume_restores_params_optimizer_iterator_and_meta(tmp_path):
     assert consumed != expected_next
 
 
+def test_restore_params_reads_the_params_alone_onto_the_callers_shardings(tmp_path):
+    """What eval and export restore: the params, laid out as the caller asks (here on another
+    mesh than they were saved from), from a checkpoint whose other arrays (the optimizer state
+    and a reference) the caller need not know the layout of."""
+    saved_on = sharding_lib.make_mesh(jax.devices(), 4, 2)
+    params = nnx.state(sharding_lib.shard_model(create(CONFIG, seed=1), saved_on), nnx.Param)
+    expected = [np.asarray(leaf) for leaf in jax.tree.leaves(params)]
+    reference = nnx.state(sharding_lib.shard_model(create(CONFIG, seed=3), saved_on), nnx.Param)
+    state = {"params": params, "opt_state": optax.adam(1e-3).init(params), "reference": reference}
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(5, train_state=state, data_iterator=None, meta={})
+    ckpt.close()
+
+    wanted_on = sharding_lib.make_mesh(jax.devices()[:2], 1, 2)
+    like = nnx.state(sharding_lib.shard_model(create(CONFIG, seed=2), wanted_on), nnx.Param)
+    fresh = Checkpointer(str(tmp_path))
+    restored = fresh.restore_params(5, like)
+    fresh.close()
+    assert jax.tree.structure(restored) == jax.tree.structure(like)
+    leaves = jax.tree.leaves(restored)
+    for got, want, target in zip(leaves, expected, jax.tree.leaves(like), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert got.sharding == target.sharding
+
+
 def test_keeps_only_the_newest_steps(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path.parent)  # a relative directory, as `--workdir=runs/x` gives
     ckpt = Checkpointer(tmp_path.name, keep=2, async_save=False)
