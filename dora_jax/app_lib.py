@@ -3,17 +3,16 @@
 config -> devices (one training mesh, N generation meshes) -> data and reward -> policy
 (Hugging Face checkpoint or random init) -> SFT warm-up -> held-out evaluation -> RL with the
 configured rollout paradigm -> held-out evaluation -> summary (JSON + PNG), with the ledger,
-TensorBoard events, trace and checkpoints left in the workdir.
+TensorBoard events, trace and checkpoints left in the workdir. The config is checked whole by
+`settings_lib` before any of it; the task's prompts, reward and held-out scores are `task_lib`'s.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -23,264 +22,39 @@ import numpy as np
 from flax import nnx
 
 from dora_jax import models
-from dora_jax.config_fields_lib import check_integer_fields, check_timeout
-from dora_jax.data import (
-    BAD_ROW_MODES,
-    LongTailTask,
-    Tokenizer,
-    load_tokenizer,
-    make_template,
-    memory_rows,
-    open_files,
-    prompt_dataset,
-)
-from dora_jax.engine import Engine, Request, SamplingParams, TextStream, generate_all
+from dora_jax.engine import Engine
 from dora_jax.models import sharding_lib
 from dora_jax.observe import metrics_lib, plots_lib, progress_lib
-from dora_jax.rewards import RewardRunner, get_reward
-from dora_jax.rewards.shaping_lib import OverlongPenalty
-from dora_jax.rollout.config_lib import RolloutConfig, train_config
-from dora_jax.rollout.request_lib import PromptSpec
 from dora_jax.rollout.runner_lib import Rollout
 from dora_jax.runtime import hosts_lib, training_hosts_lib
-from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
+from dora_jax.runtime.devices_lib import DevicePlan
+from dora_jax.settings_lib import (
+    DTYPES,
+    MODEL_SHAPE_FIELDS,
+    Settings,
+    check_same_run,
+    engine_sampling,
+    reward_runner,
+    run_defining_fields,
+    stop_strings,
+    validate,
+)
+from dora_jax.task_lib import (
+    PromptStream,
+    RewardAdapter,
+    TaskData,
+    evaluate,
+    held_out_due,
+    heldout_records,
+    load_task,
+    prompt_records,
+)
 from dora_jax.train import sft_lib
 from dora_jax.train.checkpoint_lib import Checkpointer
 from dora_jax.train.config_lib import TrainConfig
 from dora_jax.train.trainer_lib import MirroredTrainer, Trainer
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-_MODEL_SHAPE_FIELDS = {
-    f.name for f in dataclasses.fields(models.ModelConfig) if f.name not in ("vocab_size",)
-}
-
-
-# -- configuration ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """Every section of the config, validated; built once at start so mistakes fail early."""
-
-    rollout: RolloutConfig
-    train: TrainConfig
-    plan: DevicePlan
-    # Where the rollout instances' engines run: () in this process, ("local",) * N in child
-    # processes, or one HOST:PORT per instance of running `dora-jax host`s.
-    generation_hosts: tuple[str, ...]
-    overlong: OverlongPenalty
-
-
-# Every field of the sections `validate` reads itself (`rollout` and `train` check theirs
-# against their dataclasses): a field misspelled in a config file would otherwise be ignored,
-# its default used in silence. (`--config.x=` overrides of unknown fields fail in absl.)
-_SECTION_FIELDS: dict[str, frozenset[str]] = {
-    "model": frozenset({"checkpoint", "dtype", *_MODEL_SHAPE_FIELDS}),
-    "runtime": frozenset(
-        {
-            "train_devices",
-            "train_tp",
-            "num_instances",
-            "devices_per_instance",
-            "instance_tp",
-            "generation_hosts",
-            "host_timeout_s",
-            "training_hosts",
-            "coordinator",
-        }
-    ),
-    "data": frozenset(
-        {
-            "source",
-            "train_files",
-            "heldout_files",
-            "prompt_field",
-            "answer_field",
-            "template",
-            "max_prompt_len",
-            "on_bad_row",
-        }
-    ),
-    "task": frozenset({*(f.name for f in dataclasses.fields(LongTailTask)), "demonstration_noise"}),
-    "reward": frozenset(
-        {
-            "name",
-            "options",
-            "timeout_s",
-            "isolation",
-            "workers",
-            "overlong_buffer",
-            "overlong_penalty",
-        }
-    ),
-    "engine": frozenset(
-        {"slots", "max_decode_length", "temperature", "top_k", "top_p", "stop_strings"}
-    ),
-    "sft": frozenset({"steps", "batch_size", "learning_rate"}),
-    "eval": frozenset(
-        {"num_prompts", "samples_per_prompt", "every", "temperature", "top_k", "top_p"}
-    ),
-    "checkpoint": frozenset({"every", "keep"}),
-}
-# Sections the app reads field by field, so each must be there (`model` and `task` fields take
-# their dataclasses' defaults when absent).
-_COMPLETE_SECTIONS = ("runtime", "data", "reward", "engine", "sft", "eval", "checkpoint")
-_TOP_LEVEL_FIELDS = frozenset(
-    {"seed", "num_cpu_devices", "compilation_cache_dir", "rollout", "train", *_SECTION_FIELDS}
-)
-# Each field's smallest value: counts the run divides by or must have at least one of.
-_MINIMA = {
-    "engine.slots": 1,
-    "engine.max_decode_length": 1,
-    "data.max_prompt_len": 1,
-    "sft.steps": 0,
-    "sft.batch_size": 1,
-    "eval.num_prompts": 1,
-    "eval.samples_per_prompt": 1,
-    "eval.every": 0,  # 0: before and after RL only
-    "checkpoint.every": 0,  # 0: no checkpoints
-    "checkpoint.keep": 1,
-}
-
-
-def validate(config: ml_collections.ConfigDict) -> Settings:
-    """Checks the whole config before any heavy work; errors name the offending field."""
-    _check_field_names(config)
-    if config.model.dtype not in _DTYPES:
-        raise ValueError(f"model.dtype={config.model.dtype!r}: expected one of {list(_DTYPES)}")
-    if config.data.source not in ("longtail", "files"):
-        raise ValueError(f"data.source={config.data.source!r}: expected 'longtail' or 'files'")
-    if config.data.source == "files" and not config.data.train_files:
-        raise ValueError("data.train_files must name at least one file when data.source='files'")
-    if config.data.source == "files" and not config.model.checkpoint:
-        raise ValueError(
-            "model.checkpoint must name a Hugging Face model directory when data.source='files' "
-            "(its tokenizer.json tokenizes the files' prompts)"
-        )
-    if config.data.on_bad_row not in BAD_ROW_MODES:
-        raise ValueError(
-            f"data.on_bad_row={config.data.on_bad_row!r}: expected one of {BAD_ROW_MODES}"
-        )
-    check_integer_fields(config, _MINIMA)
-    if config.eval.every and not config.checkpoint.every:
-        raise ValueError(
-            f"eval.every={config.eval.every} needs checkpoint.every > 0: held-out evaluation "
-            "runs at checkpoint barriers, where the trainer's params are at rest (or set 0)"
-        )
-    _named("engine.", lambda: _sampling(config))
-    _named("eval.", lambda: eval_sampling(config))
-    stop_strings(config)
-    if config.data.template != "chat":  # a chat template is the checkpoint's, checked on load
-        _named("data.template: ", lambda: make_template(config.data.template))
-    if config.data.source == "longtail":
-        _longtail_task(config)  # its errors name their task.* field
-    rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "seed": config.seed})
-    train = train_config(rollout, config.train)
-    reward_runner(config)  # a bad reward fails here, not mid-run (its workers start later)
-    overlong = OverlongPenalty(
-        int(config.engine.max_decode_length),
-        config.reward.overlong_buffer,
-        config.reward.overlong_penalty,
-    )
-    runtime = config.runtime.to_dict()
-    hosts = _generation_hosts(runtime.pop("generation_hosts", ""), runtime["num_instances"])
-    runtime.pop("coordinator", "")
-    _named("runtime.host_", lambda: check_timeout(runtime.pop("host_timeout_s")))
-    group = runtime.pop("training_hosts", "")
-    if group:
-        _check_training_group(group, hosts, runtime["train_devices"])
-    plan = plan_devices(
-        **runtime, remote_instances=bool(group) or (bool(hosts) and hosts[0] != "local")
-    )
-    return Settings(
-        rollout=rollout, train=train, plan=plan, generation_hosts=hosts, overlong=overlong
-    )
-
-
-def _check_field_names(config: ml_collections.ConfigDict) -> None:
-    unknown = sorted(set(config) - _TOP_LEVEL_FIELDS)
-    for section, known in _SECTION_FIELDS.items():
-        unknown += sorted(f"{section}.{f}" for f in set(config.get(section, {})) - known)
-    if unknown:
-        raise ValueError(f"unknown config field(s) {unknown}: misspelled, or not a dora_jax field")
-    missing = sorted(
-        f"{section}.{f}"
-        for section in _COMPLETE_SECTIONS
-        for f in _SECTION_FIELDS[section] - set(config.get(section, {}))
-    )
-    if missing:
-        raise ValueError(
-            f"config lacks field(s) {missing}: a config file written for an older dora_jax? "
-            "Start it from configs/default.py's get_config() and change what differs"
-        )
-
-
-def _named(prefix: str, check: Any) -> Any:
-    """Runs `check` and returns its result, prefixing `prefix` to the ValueError of a library
-    that only knows its own argument names (`top_p must be in (0, 1]` -> `engine.top_p ...`)."""
-    try:
-        return check()
-    except ValueError as e:
-        raise ValueError(f"{prefix}{e}") from e
-
-
-def _sampling(config: ml_collections.ConfigDict) -> SamplingParams:
-    e = config.engine
-    return SamplingParams(temperature=e.temperature, top_k=e.top_k, top_p=e.top_p)
-
-
-def eval_sampling(config: ml_collections.ConfigDict) -> SamplingParams:
-    """The held-out samples' sampling: `eval.temperature` / `top_k` / `top_p` where set, the
-    engine's (rollout's) elsewhere."""
-    e, v = config.engine, config.eval
-    pick = lambda value, default: default if value is None else value
-    return SamplingParams(
-        temperature=pick(v.temperature, e.temperature),
-        top_k=pick(v.top_k, e.top_k),
-        top_p=pick(v.top_p, e.top_p),
-    )
-
-
-def stop_strings(config: ml_collections.ConfigDict) -> tuple[str, ...]:
-    """`engine.stop_strings`, checked: a response ends at the first token whose text completes
-    one, in rollout and held-out evaluation alike; unlike vLLM's `stop`, the stop string stays
-    in the response's text, where a reward may look for it."""
-    value = config.engine.stop_strings
-    if not isinstance(value, tuple | list) or not all(isinstance(x, str) and x for x in value):
-        raise ValueError(
-            f"engine.stop_strings={value!r}: expected a tuple of non-empty strings, e.g. "
-            "('</answer>',)"
-        )
-    return tuple(value)
-
-
-def _longtail_task(config: ml_collections.ConfigDict) -> LongTailTask:
-    return LongTailTask(**{k: v for k, v in config.task.items() if k != "demonstration_noise"})
-
-
-def _check_training_group(value: str, generation_hosts: Sequence[str], train_devices: int) -> None:
-    """A run with training hosts has joined their group (`start_training_hosts`) by now."""
-    field = "runtime.training_hosts"
-    if jax.process_count() == 1:
-        raise ValueError(
-            f"{field}={value!r}: only `dora-jax train` starts training hosts; set it to '' "
-            "(and runtime.train_devices to this machine's devices) for this command"
-        )
-    if value.startswith("local:") and jax.devices()[0].platform != "cpu":
-        raise ValueError(
-            f"{field}={value!r} starts training hosts in child processes of this machine, which "
-            "only CPU devices allow; run one `dora-jax host` per machine (HOST:PORT,...)"
-        )
-    if not generation_hosts:
-        raise ValueError(
-            f"{field}={value!r} needs runtime.generation_hosts: the training mesh takes every "
-            "device of the training group, so the rollout instances run on generation hosts"
-        )
-    if train_devices != jax.device_count():
-        raise ValueError(
-            f"runtime.train_devices={train_devices}: with {field}={value!r} the training mesh "
-            f"is every device of the group, {jax.device_count()} here"
-        )
+# -- training group -----------------------------------------------------------------------------
 
 
 def start_training_hosts(config: ml_collections.ConfigDict) -> training_hosts_lib.Group | None:
@@ -308,165 +82,6 @@ def start_training_hosts(config: ml_collections.ConfigDict) -> training_hosts_li
     return training_hosts_lib.connect(addresses, config.runtime.coordinator)
 
 
-def _generation_hosts(value: Any, num_instances: int) -> tuple[str, ...]:
-    field = "runtime.generation_hosts"
-    if not isinstance(value, str):
-        raise ValueError(f"{field}={value!r}: expected '', 'local' or HOST:PORT,...")
-    if value == "local" and jax.devices()[0].platform != "cpu":
-        raise ValueError(
-            f"{field}='local' starts engines in child processes of this machine, which only "
-            "CPU devices allow (this process holds the accelerators); use '' or one "
-            "`dora-jax host` per machine (HOST:PORT,...)"
-        )
-    if value in ("", "local"):
-        return (value,) * num_instances if value else ()
-    addresses = tuple(a.strip() for a in value.split(","))
-    for address in addresses:
-        hosts_lib.parse_address(address, field)
-    if len(addresses) != num_instances:
-        raise ValueError(
-            f"{field}: {len(addresses)} addresses for runtime.num_instances={num_instances}"
-        )
-    hosts_lib.host_key()  # a missing key fails here, not at the first connection
-    return addresses
-
-
-# -- data and reward ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class TaskData:
-    tokenizer: Tokenizer
-    train_rows: Any  # a RowSource
-    heldout_rows: Any  # a RowSource, or None: no held-out evaluation
-    demonstrations: list[tuple[str, str]]
-    task: LongTailTask | None
-
-
-def load_task(config: ml_collections.ConfigDict) -> TaskData:
-    if config.data.source == "longtail":
-        task = _longtail_task(config)
-        train = task.rows("train", 20_000, seed=config.seed)
-        heldout = memory_rows(task.rows("heldout", config.eval.num_prompts, config.seed + 1))
-        demos = task.demonstrations(
-            task.rows("train", 20_000, seed=config.seed + 2),
-            config.task.demonstration_noise,
-            seed=config.seed,
-        )
-        return TaskData(task.tokenizer(), memory_rows(train, "longtail"), heldout, demos, task)
-    fields = (config.data.prompt_field, config.data.answer_field)
-    heldout = None
-    if config.data.heldout_files:
-        heldout = open_files(config.data.heldout_files.split(","), fields)
-    train = open_files(config.data.train_files.split(","), fields)
-    return TaskData(load_tokenizer(config.model.checkpoint), train, heldout, [], None)
-
-
-class PromptStream:
-    """Rollout's prompt source: prompt id i is the next record of the grain pipeline.
-
-    Rollout asks for prompt ids in order, once each; a record is kept until every sample of its
-    group has been scored (each sample is scored once), so that its answer is known then and a
-    long run does not hold every prompt it ever read. A resumed run starts at `first_id` with
-    the iterator restored to the matching position (the checkpoint barrier leaves no prompt
-    half-used).
-    """
-
-    def __init__(
-        self,
-        iterator: Any,
-        group_size: int,
-        max_new_tokens: int,
-        first_id: int = 0,
-        stop_strings: tuple[str, ...] = (),
-        text_stream: Callable[[], TextStream] | None = None,
-    ):
-        self.iterator = iterator
-        self.group_size = group_size
-        self.max_new_tokens = max_new_tokens
-        self.stop_strings = stop_strings
-        self.text_stream = text_stream
-        self.next_id = first_id
-        self.records: dict[int, dict[str, Any]] = {}
-        self._scored: collections.Counter[int] = collections.Counter()
-
-    def __call__(self, prompt_id: int) -> PromptSpec:
-        if prompt_id not in self.records:
-            if prompt_id != self.next_id:
-                raise ValueError(f"prompt {prompt_id} requested out of order ({self.next_id})")
-            self.records[prompt_id] = next(self.iterator)
-            self.next_id += 1
-        record = self.records[prompt_id]
-        return PromptSpec(
-            prompt_id,
-            np.asarray(record["prompt_tokens"], np.int32),
-            (self.max_new_tokens,) * self.group_size,
-            stop_strings=self.stop_strings,
-            text_stream=self.text_stream,
-        )
-
-    def answer(self, prompt_id: int) -> str:
-        """The reference answer for one sample of the group about to be scored."""
-        answer = self.records[prompt_id]["answer"]
-        self._scored[prompt_id] += 1
-        if self._scored[prompt_id] == self.group_size:
-            del self.records[prompt_id], self._scored[prompt_id]
-        return answer
-
-
-def reward_runner(config: ml_collections.ConfigDict) -> RewardRunner:
-    """The task's reward under the runner's timeout, in worker processes (`reward.isolation`)."""
-    r = config.reward
-    fn = get_reward(r.name, **r.options.to_dict())  # its errors name reward.name / .options
-    return _named(
-        "reward.",
-        lambda: RewardRunner(fn, timeout_s=r.timeout_s, workers=r.workers, isolation=r.isolation),
-    )
-
-
-class RewardAdapter:
-    """(prompt id, response tokens) -> reward: the task's, through the timeout-safe
-    `RewardRunner`, plus the overlong penalty of the response's length."""
-
-    def __init__(
-        self,
-        runner: RewardRunner,
-        tokenizer: Tokenizer,
-        prompts: PromptStream,
-        overlong: OverlongPenalty,
-    ):
-        self.runner = runner
-        self.tokenizer = tokenizer
-        self.prompts = prompts
-        self.overlong = overlong
-        self.penalized = 0
-
-    def __call__(self, batch: Sequence[tuple[int, np.ndarray]]) -> list[float]:
-        """A turn's finished samples, scored by the runner's workers together."""
-        items = [
-            (pid, self.tokenizer.decode([int(t) for t in tokens]), self.prompts.answer(pid))
-            for pid, tokens in batch
-        ]
-        rewards = []
-        for reward, (_, tokens) in zip(self.runner.score(items), batch, strict=True):
-            penalty = self.overlong(len(tokens))
-            self.penalized += penalty < 0
-            rewards.append(reward + penalty)
-        return rewards
-
-    def restore_metrics(self, saved: dict[str, float]) -> None:
-        """Continues the counters `metrics()` returned when a checkpoint was saved."""
-        self.runner.restore_metrics(saved)
-        self.penalized = int(saved.get("reward/overlong_penalized", 0))
-
-    def metrics(self) -> dict[str, float]:
-        """Cumulative counters, the reward runner's and the overlong penalty's."""
-        return {
-            **{k: float(v) for k, v in self.runner.metrics().items()},
-            "reward/overlong_penalized": float(self.penalized),
-        }
-
-
 # -- policy -------------------------------------------------------------------------------------
 
 
@@ -490,13 +105,13 @@ def load_policy(
     arrays, so it takes only its own part of a mesh that spans the group. A random init is tiny
     (the default models): made on one device, then sharded.
     """
-    dtype = _DTYPES[config.model.dtype]
+    dtype = DTYPES[config.model.dtype]
     mesh = _this_process_part(mesh)
     if config.model.checkpoint:
         return models.from_pretrained(
             config.model.checkpoint, dtype=dtype, param_dtype=PARAM_DTYPE, mesh=mesh
         )
-    shape = {k: v for k, v in config.model.items() if k in _MODEL_SHAPE_FIELDS}
+    shape = {k: v for k, v in config.model.items() if k in MODEL_SHAPE_FIELDS}
     model_config = models.ModelConfig(vocab_size=vocab_size, **shape)
     model = models.create(model_config, seed=config.seed, param_dtype=PARAM_DTYPE, dtype=dtype)
     return sharding_lib.shard_model(model, mesh)
@@ -580,59 +195,6 @@ def _group_trainer(graphdef: Any, state: Any, tp: int, config: TrainConfig) -> T
     return Trainer(model, config, _group_mesh(tp), reference_model=model)
 
 
-def heldout_records(config: ml_collections.ConfigDict, data: TaskData) -> list[dict[str, Any]]:
-    """The first `eval.num_prompts` held-out prompts, through the same pipeline as training
-    (template, tokenizer, length limit, bad-row policy)."""
-    if data.heldout_rows is None:
-        return []
-    iterator = iter(_prompt_dataset(config, data, data.heldout_rows, num_epochs=1))
-    return [record for record, _ in zip(iterator, range(config.eval.num_prompts), strict=False)]
-
-
-def held_out_due(version: int, every: int, barrier_every: int) -> bool:
-    """Whether the checkpoint barrier of `version` (one every `barrier_every` versions) scores
-    the held-out set: the first barrier at or after each multiple of `every` (0: none), i.e.
-    one with a multiple of `every` among the versions since the previous barrier."""
-    return bool(every) and version // every > (version - barrier_every) // every
-
-
-def evaluate(
-    engine: Engine,
-    params: Any,
-    records: Sequence[dict[str, Any]],
-    config: ml_collections.ConfigDict,
-    runner: RewardRunner,
-    tokenizer: Tokenizer,
-) -> dict[str, float]:
-    """pass@1 (mean over k samples) and pass@k on the held-out prompts, sampled as
-    `eval_sampling` says."""
-    if not records:
-        return {}
-    k = config.eval.samples_per_prompt
-    stops = stop_strings(config)
-    sampling = eval_sampling(config)
-    requests = [
-        Request(
-            prompt_tokens=record["prompt_tokens"],
-            seed=10_000 * i + j,
-            id=(i, j),
-            stop_strings=stops,
-            sampling=sampling,
-        )
-        for i, record in enumerate(records)
-        for j in range(k)
-    ]
-    completions = generate_all(engine, params, requests, text_stream=tokenizer.text_stream)
-    scores = np.asarray(
-        runner.score(
-            [(c.id, tokenizer.decode(c.tokens), records[c.id[0]]["answer"]) for c in completions],
-            counted=False,
-        )
-    ).reshape(len(records), k)
-    correct = scores >= 1.0
-    return {"pass@1": float(correct.mean()), f"pass@{k}": float(correct.any(axis=1).mean())}
-
-
 # -- the run ------------------------------------------------------------------------------------
 
 
@@ -646,7 +208,7 @@ def _engine_settings(config: ml_collections.ConfigDict, eos_ids: Sequence[int]) 
         "max_prefill_length": prefill,
         "cache_length": prompt + response,
         "max_decode_length": response,
-        "sampling": _sampling(config),
+        "sampling": engine_sampling(config),
         "eos_ids": tuple(eos_ids),
     }
 
@@ -685,7 +247,7 @@ def start_generation_hosts(
     """One generation host per rollout instance (`Settings.generation_hosts`), each a process
     with its own engine of the model's shape (weights come from the trainer, version by
     version)."""
-    dtype = _DTYPES[config.model.dtype]
+    dtype = DTYPES[config.model.dtype]
     spec = hosts_lib.EngineSpec(
         model.config,
         config.seed,
@@ -749,7 +311,7 @@ def _train_and_evaluate(
         trainer = MirroredTrainer(
             group.make(_group_trainer, graphdef, jax.device_get(state), tp, settings.train)
         )
-    iterator = iter(_prompt_dataset(config, data, data.train_rows))
+    iterator = iter(prompt_records(config, data, data.train_rows))
     heldout = heldout_records(config, data)
 
     if latest is None:
@@ -872,7 +434,7 @@ def _train_and_evaluate(
         model,
         os.path.join(workdir, "hf_policy"),
         source=config.model.checkpoint or None,
-        dtype=_DTYPES[config.model.dtype],  # what the engines ran (and `eval` scored)
+        dtype=DTYPES[config.model.dtype],  # what the engines ran (and `eval` scored)
     )
     records = metrics_lib.read_metrics(workdir)
     trained_tokens = sum(r.get("trained_tokens", 0.0) for r in records)
@@ -932,7 +494,7 @@ def export_checkpoint(
     nnx.update(model, params)
     out = out or os.path.join(workdir, f"hf_policy_v{step}")
     models.save_pretrained(
-        model, out, source=config.model.checkpoint or None, dtype=_DTYPES[config.model.dtype]
+        model, out, source=config.model.checkpoint or None, dtype=DTYPES[config.model.dtype]
     )
     return out
 
@@ -975,70 +537,6 @@ def _checkpoint_params(
         checkpointer.close()
 
 
-# Fields a resumed run may change: where it runs, how long, what it evaluates and keeps. Any
-# other difference (model, data, reward, sampling, rollout rules, trainer) would continue the
-# saved run as another one, from a ledger cut back to the checkpoint.
-_RESUMABLE_CHANGES = (
-    "compilation_cache_dir", "num_cpu_devices", "rollout.num_iterations", "runtime.", "eval.",
-    "checkpoint.", "sft.", "engine.slots", "reward.isolation", "reward.workers",
-    "train.remat",  # what the backward keeps (same math, bfloat16 rounds apart): on after OOM
-    "model.qk_norm",  # implied by model.architecture (ModelConfig refuses any other value)
-)  # fmt: skip
-
-
-# Run-defining fields added after checkpoints were saved without them, with the value that does
-# what the code did before each existed: a run saved then goes on under a config stating it.
-_ADDED_FIELDS: dict[str, Any] = {
-    "reward.options": {},
-    "engine.stop_strings": [],
-    "train.entropy_coef": 0.0,
-    "train.micro_batch_tokens": None,
-    "train.epochs": 1,
-}
-
-
-def run_defining_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The config's fields as {"section.field": value} (JSON values), less those a resumed
-    run may change: saved with each checkpoint, compared on resume."""
-    flat = {}
-    for key, value in json.loads(config.to_json()).items():
-        items = value.items() if isinstance(value, dict) else [(None, value)]
-        for field, v in items:
-            name = key if field is None else f"{key}.{field}"
-            if not name.startswith(_RESUMABLE_CHANGES):
-                flat[name] = v
-    return flat
-
-
-def check_same_run(
-    saved: dict[str, Any] | None,
-    config: ml_collections.ConfigDict,
-    workdir: str,
-    prefixes: tuple[str, ...] = ("",),
-) -> None:
-    """Refuses to continue (or evaluate) the run saved in `workdir` under another config: a
-    different model shape would fail deep in orbax, a different group size or mode would
-    stall the resumed rollout after cutting the saved run's ledger back. Checkpoints from
-    before configs were saved (`saved` None) are not checked."""
-    if saved is None:
-        return
-    saved = {**_ADDED_FIELDS, **saved}
-    now = run_defining_fields(config)
-    differ = sorted(
-        k
-        for k in saved.keys() | now.keys()
-        if k.startswith(prefixes)
-        and not k.startswith(_RESUMABLE_CHANGES)  # a checkpoint may predate the exemption
-        and saved.get(k) != now.get(k)
-    )
-    if differ:
-        changes = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in differ)
-        raise ValueError(
-            f"{workdir} holds a run saved under another config ({changes}); continue it with "
-            "the same settings, or start this one in a new workdir"
-        )
-
-
 # The reference only with a KL penalty, the TIS history only with `train.tis_cap`.
 _TRAIN_ARRAYS = ("params", "opt_state", "reference", "tis_history")
 
@@ -1046,23 +544,6 @@ _TRAIN_ARRAYS = ("params", "opt_state", "reference", "tis_history")
 def _train_arrays(state: dict[str, Any]) -> dict[str, Any]:
     """The array part of the trainer's state (the rest is counters, kept in the JSON meta)."""
     return {k: state[k] for k in _TRAIN_ARRAYS if k in state}
-
-
-def _prompt_dataset(
-    config: ml_collections.ConfigDict, data: TaskData, rows: Any, num_epochs: int | None = None
-) -> Any:
-    builtin = data.task is not None
-    return prompt_dataset(
-        rows,
-        data.tokenizer,
-        make_template(config.data.template, config.model.checkpoint or None),
-        max_prompt_len=config.data.max_prompt_len,
-        seed=config.seed,
-        prompt_field="prompt" if builtin else config.data.prompt_field,
-        answer_field="answer" if builtin else config.data.answer_field,
-        on_bad_row=config.data.on_bad_row,
-        num_epochs=num_epochs,
-    )
 
 
 def format_accuracy(accuracy: float | None) -> str:

@@ -1,4 +1,5 @@
-"""The application: config validation names the field, and a real tiny run end to end on the
+"""The application: a resume under another config refused before the ledger is cut, hosts
+planned before any process starts, the CLI's flags, and a real tiny run end to end on the
 files-and-checkpoint path (JSONL with malformed rows, an HF checkpoint directory with its
 tokenizer, a user reward that sometimes raises), its engines in generation hosts of their own
 (the in-process engines run in the resume tests and `make train`)."""
@@ -10,16 +11,13 @@ import os
 import subprocess
 import sys
 import threading
-import types
 
 import app_rewards
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from configs import default
-from dora_jax import app_lib, models
+from dora_jax import app_lib, models, settings_lib
 from dora_jax.data import LongTailTask
 from dora_jax.observe import metrics_lib
 from dora_jax.rollout import audit_lib, ledger_lib
@@ -31,85 +29,10 @@ _TINY_MODEL = models.ModelConfig(vocab_size=16, hidden_size=16, intermediate_siz
                                  num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "section,field,value,named",
-    [
-        ("rollout", "train_batch_size", 60, "rollout.train_batch_size"),
-        ("rollout", "rollout_batch_size", 32, "rollout.rollout_batch_size"),
-        ("rollout", "staleness_bound", -1, "rollout.staleness_bound"),
-        ("rollout", "mode", "async_magic", "rollout.mode"),
-        ("runtime", "num_instances", 9, "runtime.num_instances"),
-        ("train", "loss", "no_such_loss", "loss"),
-        ("reward", "name", "no_such_reward", "no_such_reward"),
-        ("reward", "overlong_buffer", 49, "reward.overlong_buffer"),  # > engine.max_decode_length
-        ("reward", "overlong_penalty", -1.0, "reward.overlong_penalty"),
-        ("reward", "timeout_s", 0.0, "reward.timeout_s"),
-        ("reward", "timeout_s", -1.0, "reward.timeout_s"),
-        # inf overflowed Thread.join at the first score, after the SFT warm-up; NaN timed out all.
-        ("reward", "timeout_s", float("inf"), "reward.timeout_s"),
-        ("reward", "timeout_s", float("nan"), "reward.timeout_s"),
-        ("reward", "isolation", "fork", "reward.isolation='fork'"),
-        ("reward", "workers", 0, "reward.workers"),
-        ("model", "dtype", "float8", "model.dtype"),
-        ("data", "source", "s3", "data.source"),
-        ("engine", "slots", 0, "engine.slots"),
-        ("runtime", "generation_hosts", "gpu7", "runtime.generation_hosts"),
-        ("runtime", "generation_hosts", "a:7100,b:7100", "runtime.generation_hosts"),
-        # Only `dora-jax train` joins a training group, before validating.
-        ("runtime", "training_hosts", "local:1", "runtime.training_hosts"),
-        ("runtime", "host_timeout_s", 0.0, "runtime.host_timeout_s"),
-        ("runtime", "host_timeout_s", float("nan"), "runtime.host_timeout_s"),
-        ("runtime", "host_timeout_s", float("inf"), "runtime.host_timeout_s"),
-        ("data", "on_bad_row", "ignore", "data.on_bad_row"),
-        ("data", "max_prompt_len", 0, "data.max_prompt_len"),
-        ("data", "template", "{question}", "data.template"),
-        ("data", "source", "files", "data.train_files"),
-        ("engine", "temperature", -1.0, "engine.temperature"),
-        ("engine", "top_p", 2.0, "engine.top_p"),
-        ("engine", "top_k", -5, "engine.top_k"),
-        ("engine", "stop_strings", ("",), "engine.stop_strings"),
-        ("task", "modulus", 4, "task.modulus"),
-        ("sft", "batch_size", 0, "sft.batch_size"),
-        ("eval", "num_prompts", 0, "eval.num_prompts"),
-        ("eval", "samples_per_prompt", 0, "eval.samples_per_prompt"),
-        ("checkpoint", "every", 0, r"eval.every=50 needs checkpoint.every > 0"),
-        ("checkpoint", "every", -1, "checkpoint.every"),
-        ("checkpoint", "keep", 0, "checkpoint.keep"),
-    ],
-)
-def test_bad_config_fails_at_start_naming_the_field(section, field, value, named):
-    config = default.get_config()
-    config[section][field] = value
-    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
-        app_lib.validate(config)
-
-
-def test_files_need_the_checkpoint_that_tokenizes_them():
-    config = default.get_config()
-    config.data.update(source="files", train_files="train.jsonl")
-    with pytest.raises(ValueError, match=r"model\.checkpoint"):
-        app_lib.validate(config)
-
-
-@pytest.mark.parametrize(
-    "section,misspelled",
-    [("data", "max_prompt_length"), ("engine", "temprature"), ("model", "num_layer"),
-     ("checkpoint", "evry"), (None, "num_iteration")],
-)  # fmt: skip
-def test_a_misspelled_field_in_a_config_file_is_refused(section, misspelled):
-    """`--config.x=` overrides of unknown fields fail in absl; a config file's would be ignored
-    (the default used in silence) if `validate` did not compare every section with its fields."""
-    config = default.get_config()
-    (config if section is None else config[section])[misspelled] = 1
-    named = misspelled if section is None else f"{section}.{misspelled}"
-    with pytest.raises(ValueError, match=rf"unknown config field.*'{named}'"):
-        app_lib.validate(config)
-
-
 def test_resuming_under_another_config_is_refused_before_the_ledger_is_cut(tmp_path):
     config = default.get_config()
     checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
-    meta = {"config": app_lib.run_defining_fields(config)}
+    meta = {"config": settings_lib.run_defining_fields(config)}
     checkpointer.save(3, train_state={"w": np.zeros(2)}, data_iterator=None, meta=meta)
     checkpointer.close()
     ledger = tmp_path / "ledger.jsonl"
@@ -122,56 +45,11 @@ def test_resuming_under_another_config_is_refused_before_the_ledger_is_cut(tmp_p
     config.rollout.group_size = 8
     config.reward.update(isolation="thread", workers=8)  # how rewards run, not what they score
     config.train.remat = "full"  # what the backward pass keeps: the same math
-    app_lib.check_same_run(meta["config"], config, str(tmp_path))  # nothing that defines it
+    settings_lib.check_same_run(meta["config"], config, str(tmp_path))  # nothing that defines it
     config.model.hidden_size = 32  # evaluation checks the model's fields only
-    app_lib.check_same_run(meta["config"], config, str(tmp_path), prefixes=("data.",))
+    settings_lib.check_same_run(meta["config"], config, str(tmp_path), prefixes=("data.",))
     with pytest.raises(ValueError, match=r"model\.hidden_size: 64 -> 32"):
-        app_lib.check_same_run(meta["config"], config, str(tmp_path), prefixes=("model.",))
-
-
-def test_a_run_saved_before_a_field_existed_resumes_with_the_fields_old_behaviour(tmp_path):
-    """A checkpoint's config from before `engine.stop_strings` (or `reward.options`) existed
-    ran without stop strings: a config stating none goes on with it, one stating some does
-    not."""
-    config = default.get_config()
-    saved = app_lib.run_defining_fields(config)
-    for added in ("engine.stop_strings", "reward.options", "train.entropy_coef",
-                  "train.micro_batch_tokens", "train.epochs"):  # fmt: skip
-        del saved[added]
-    app_lib.check_same_run(saved, config, str(tmp_path))
-    config.engine.stop_strings = ("</answer>",)
-    with pytest.raises(ValueError, match=r"engine\.stop_strings: \[\] -> \['</answer>'\]"):
-        app_lib.check_same_run(saved, config, str(tmp_path))
-
-
-def test_stating_what_the_architecture_implies_is_the_same_run(tmp_path):
-    """`model.qk_norm` can only be the architecture's value: a run started with it unset (the
-    default) resumes with it stated, and a checkpoint saved when the default stated it (and
-    before `reward.workers` existed) still matches."""
-    config = default.get_config()
-    saved = app_lib.run_defining_fields(config)
-    config.model.qk_norm = True
-    app_lib.check_same_run(saved, config, str(tmp_path))
-    older = {**saved, "model.qk_norm": True}
-    app_lib.check_same_run(older, default.get_config(), str(tmp_path), prefixes=("model.",))
-
-
-def test_a_config_without_a_field_the_app_reads_names_it():
-    """A config file written before a field existed failed with a bare AttributeError (or a
-    KeyError, deep in validation)."""
-    config = default.get_config()
-    del config.runtime["host_timeout_s"]
-    del config.reward["options"]
-    with pytest.raises(
-        ValueError, match=r"lacks field\(s\) \['reward.options', 'runtime.host_timeout_s'\]"
-    ):
-        app_lib.validate(config)
-
-
-def test_eval_refuses_a_workdir_that_does_not_exist(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        app_lib.evaluate_checkpoint(default.get_config(), str(tmp_path / "no_such_run"))
-    assert not (tmp_path / "no_such_run").exists()
+        settings_lib.check_same_run(meta["config"], config, str(tmp_path), prefixes=("model.",))
 
 
 @pytest.mark.parametrize(
@@ -191,9 +69,9 @@ def test_hosts_on_other_machines_take_no_devices_here(monkeypatch):
     config = default.get_config()
     config.runtime.update(train_devices=8, train_tp=2, num_instances=4)  # 8 devices here
     with pytest.raises(ValueError, match=r"runtime\.num_instances=4"):
-        app_lib.validate(config)  # local engines would need 12
+        settings_lib.validate(config)  # local engines would need 12
     config.runtime.generation_hosts = "g0:7100,g1:7100,g2:7100,g3:7100"
-    settings = app_lib.validate(config)
+    settings = settings_lib.validate(config)
     assert settings.generation_hosts == ("g0:7100", "g1:7100", "g2:7100", "g3:7100")
     assert settings.plan.generation_meshes == () and settings.plan.train_mesh.devices.size == 8
     model = models.create(_TINY_MODEL)
@@ -201,106 +79,10 @@ def test_hosts_on_other_machines_take_no_devices_here(monkeypatch):
     assert evaluation.mesh is settings.plan.train_mesh
 
 
-def test_local_hosts_are_refused_on_an_accelerator(monkeypatch):
-    config = default.get_config()
-    config.runtime.generation_hosts = "local"
-    monkeypatch.setattr(app_lib.jax, "devices", lambda: [types.SimpleNamespace(platform="gpu")])
-    with pytest.raises(ValueError, match=r"runtime\.generation_hosts='local' .* only CPU"):
-        app_lib.validate(config)
-
-
-def test_the_trained_reward_is_the_tasks_plus_the_overlong_penalty():
-    config = default.get_config()
-    config.reward.overlong_buffer = 8
-    config.reward.overlong_penalty = 0.5
-    settings = app_lib.validate(config)  # engine.max_decode_length = 48: penalised past 40
-    records = iter([{"prompt_tokens": [1, 2], "answer": "7"}] * 4)
-    prompts = app_lib.PromptStream(records, group_size=4, max_new_tokens=48)
-    prompts(0)
-    # Tokens below 10 decode to their digit, the others to spaces, which exact_match strips.
-    tokenizer = types.SimpleNamespace(
-        decode=lambda ids: "".join(str(t) if t < 10 else " " for t in ids)
-    )
-    runner = app_lib.RewardRunner(app_lib.get_reward("exact_match"), timeout_s=5.0)
-    reward = app_lib.RewardAdapter(runner, tokenizer, prompts, settings.overlong)
-    right, wrong = [7], [3]
-    responses = [right, [10] * 43 + right, [10] * 47 + wrong, [10] * 39 + wrong]
-    scored = reward([(0, np.asarray(tokens, np.int32)) for tokens in responses])
-    assert scored == [1.0, 1.0 - 0.5 * 4 / 8, -0.5, 0.0]
-    assert reward.metrics()["reward/overlong_penalized"] == 2
-    assert reward.metrics()["reward/calls"] == 4
-
-
-def test_reward_options_from_the_config_are_bound_to_the_reward():
-    """`reward.options` reach the function in its worker processes; a misspelled one fails at
-    start, naming the field (the registry took options, but no config field could give them)."""
-    config = default.get_config()
-    config.reward.name = "format"
-    config.reward.options = {"pattern": r"<answer>.+?</answer>"}
-    runner = app_lib.reward_runner(config)
-    try:
-        scored = runner.score([(0, "so <answer>7</answer>", ""), (1, "so \\boxed{7}", "")])
-    finally:
-        runner.close()
-    assert scored == [1.0, 0.0]  # the default pattern would score them the other way round
-    config.reward.options = {"patern": "x"}
-    with pytest.raises(ValueError, match=r"reward\.options\.patern"):
-        app_lib.validate(config)
-
-
-def test_reward_workers_from_the_config_score_side_by_side():
-    """`reward.workers` calls run at once: six meet at a barrier of six (four, the default,
-    would break it and score errors)."""
-    config = default.get_config()
-    config.reward.update(name="app_rewards:meets_five_others", isolation="thread", workers=6)
-    runner = app_lib.reward_runner(config)
-    assert runner.score([(i, "y", "x") for i in range(6)]) == [1.0] * 6
-    assert runner.counters.errors == 0
-
-
-def test_a_prompts_record_is_dropped_once_its_group_is_scored():
-    records = iter([{"prompt_tokens": [i], "answer": str(i)} for i in range(3)])
-    prompts = app_lib.PromptStream(records, group_size=2, max_new_tokens=4)
-    for prompt_id in range(3):
-        prompts(prompt_id)
-    assert prompts.answer(1) == prompts.answer(1) == "1"
-    assert sorted(prompts.records) == [0, 2]  # a run no longer holds every prompt it read
-    assert prompts.answer(0) == "0" and prompts.answer(2) == "2"
-
-
-def test_a_turns_samples_are_scored_concurrently():
-    """The rollout hands the reward a turn's finished samples at once: a reward that waits
-    (a sandbox, a judge) runs them side by side. Four calls meet at a barrier of four, which
-    breaks (an error, scored 0) unless all four are in flight together."""
-    barrier = threading.Barrier(4)
-
-    def meet(completion, answer):
-        barrier.wait(timeout=10)
-        return 1.0
-
-    prompts = app_lib.PromptStream(iter([{"prompt_tokens": [1], "answer": "x"}]), 4, 8)
-    prompts(0)
-    runner = app_lib.RewardRunner(meet, timeout_s=20.0, workers=4, isolation="thread")
-    tokenizer = types.SimpleNamespace(decode=lambda ids: "y")
-    overlong = app_lib.validate(default.get_config()).overlong
-    reward = app_lib.RewardAdapter(runner, tokenizer, prompts, overlong)
-    assert reward([(0, np.asarray([1], np.int32))] * 4) == [1.0] * 4
-    assert runner.counters.errors == 0
-
-
-def test_real_recipe_is_a_valid_config():
-    from configs import qwen3_gsm8k
-
-    settings = app_lib.validate(qwen3_gsm8k.get_config())
-    assert settings.rollout.mode == "dora" and settings.train.tbs == 256
-    assert settings.plan.num_instances == 4
-
-
-def test_batch_size_set_twice_is_refused():
-    config = default.get_config()
-    config.train.tbs = 32
-    with pytest.raises(ValueError, match=r"train\.tbs"):
-        app_lib.validate(config)
+def test_eval_refuses_a_workdir_that_does_not_exist(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        app_lib.evaluate_checkpoint(default.get_config(), str(tmp_path / "no_such_run"))
+    assert not (tmp_path / "no_such_run").exists()
 
 
 def test_cli_reports_a_bad_field_and_exits_non_zero():
@@ -395,17 +177,6 @@ def test_partial_runs_through_the_app_re_prefilling_past_the_prompt_limit(tmp_pa
     assert {rule for rule, ok in report.rules.items() if not ok} == {"C1"}
 
 
-def test_stop_strings_written_as_one_string_are_refused():
-    """A config file's `c.engine.stop_strings = "</answer>"` (a str, not a tuple) would stop at
-    any of its characters if taken as a sequence; a command-line override of the default tuple
-    is refused by ml_collections itself."""
-    config = default.get_config()
-    del config.engine["stop_strings"]
-    config.engine.stop_strings = "</answer>"
-    with pytest.raises(ValueError, match=r"engine\.stop_strings='</answer>'"):
-        app_lib.validate(config)
-
-
 def test_stop_strings_end_rollout_and_held_out_responses_at_their_first_match(tmp_path):
     """`engine.stop_strings` reach both the rollout's requests and held-out evaluation: every
     response the reward sees ends at the first stop string in it, and nothing is lost (the
@@ -426,15 +197,6 @@ def test_stop_strings_end_rollout_and_held_out_responses_at_their_first_match(tm
         assert first == len(text), text  # nothing after the first stop string
     assert sum(text[-1:] in ("a", "b") for text in app_rewards.SCORED) > 10
     assert all(audit_lib.audit(str(tmp_path)).rules.values())
-
-
-@given(st.integers(1, 30), st.integers(1, 12), st.integers(1, 200))
-def test_held_out_is_scored_at_the_first_barrier_at_or_after_each_multiple(every, barrier, n):
-    barriers = range(barrier, n + 1, barrier)
-    expected = {next((b for b in barriers if b >= m), None) for m in range(every, n + 1, every)}
-    got = {v for v in barriers if app_lib.held_out_due(v, every, barrier)}
-    assert got == expected - {None}
-    assert not any(app_lib.held_out_due(v, 0, barrier) for v in barriers)
 
 
 @pytest.mark.slow

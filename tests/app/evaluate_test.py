@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from configs import default
-from dora_jax import app_lib, models
+from dora_jax import app_lib, models, settings_lib, task_lib
 
 
 class _RecordingReward:
@@ -49,13 +49,13 @@ def test_held_out_samples_decode_with_the_eval_sampling(sampling):
     config.eval.num_prompts = 4
     config.eval.samples_per_prompt = 2
     config.eval.update(sampling)
-    settings = app_lib.validate(config)
-    data = app_lib.load_task(config)
+    settings = settings_lib.validate(config)
+    data = task_lib.load_task(config)
     model = app_lib.load_policy(config, data.tokenizer.vocab_size, settings.plan.train_mesh)
     engine = app_lib.make_engines(config, model, settings.plan, data.tokenizer.eos_ids)[0]
-    records = app_lib.heldout_records(config, data)
+    records = task_lib.heldout_records(config, data)
     reward = _RecordingReward()
-    app_lib.evaluate(engine, engine.load_params(), records, config, reward, data.tokenizer)
+    task_lib.evaluate(engine, engine.load_params(), records, config, reward, data.tokenizer)
     fn, params = models.Functional.of(model)
     greedy = [
         data.tokenizer.decode(
@@ -82,8 +82,8 @@ def test_a_bad_eval_sampling_setting_names_its_field():
     config = default.get_config()
     config.eval.top_p = 1.5
     with pytest.raises(ValueError, match=r"eval\.top_p must be in \(0, 1\]"):
-        app_lib.validate(config)
+        settings_lib.validate(config)
     config.eval.top_p = None
     config.eval.temperature = -1.0
     with pytest.raises(ValueError, match=r"eval\.temperature must be 0"):
-        app_lib.validate(config)
+        settings_lib.validate(config)

@@ -1,0 +1,361 @@
+"""The run's configuration, checked whole before any heavy work, and the run's identity.
+
+`validate` turns a config into `Settings` or fails naming the field; the small `config ->
+object` helpers here (sampling, stop strings, the reward runner, the built-in task) are the one
+place each field is read. A checkpoint saves `run_defining_fields`, and `check_same_run`
+refuses to continue or evaluate it under a config that would make it another run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from dora_jax import models
+from dora_jax.config_fields_lib import check_integer_fields, check_timeout
+from dora_jax.data import BAD_ROW_MODES, LongTailTask, make_template
+from dora_jax.engine import SamplingParams
+from dora_jax.rewards import RewardRunner, get_reward
+from dora_jax.rewards.shaping_lib import OverlongPenalty
+from dora_jax.rollout.config_lib import RolloutConfig, train_config
+from dora_jax.runtime import hosts_lib
+from dora_jax.runtime.devices_lib import DevicePlan, plan_devices
+from dora_jax.train.config_lib import TrainConfig
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+MODEL_SHAPE_FIELDS = {
+    f.name for f in dataclasses.fields(models.ModelConfig) if f.name not in ("vocab_size",)
+}
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Every section of the config, validated; built once at start so mistakes fail early."""
+
+    rollout: RolloutConfig
+    train: TrainConfig
+    plan: DevicePlan
+    # Where the rollout instances' engines run: () in this process, ("local",) * N in child
+    # processes, or one HOST:PORT per instance of running `dora-jax host`s.
+    generation_hosts: tuple[str, ...]
+    overlong: OverlongPenalty
+
+
+# Every field of the sections `validate` reads itself (`rollout` and `train` check theirs
+# against their dataclasses): a field misspelled in a config file would otherwise be ignored,
+# its default used in silence. (`--config.x=` overrides of unknown fields fail in absl.)
+_SECTION_FIELDS: dict[str, frozenset[str]] = {
+    "model": frozenset({"checkpoint", "dtype", *MODEL_SHAPE_FIELDS}),
+    "runtime": frozenset(
+        {
+            "train_devices",
+            "train_tp",
+            "num_instances",
+            "devices_per_instance",
+            "instance_tp",
+            "generation_hosts",
+            "host_timeout_s",
+            "training_hosts",
+            "coordinator",
+        }
+    ),
+    "data": frozenset(
+        {
+            "source",
+            "train_files",
+            "heldout_files",
+            "prompt_field",
+            "answer_field",
+            "template",
+            "max_prompt_len",
+            "on_bad_row",
+        }
+    ),
+    "task": frozenset({*(f.name for f in dataclasses.fields(LongTailTask)), "demonstration_noise"}),
+    "reward": frozenset(
+        {
+            "name",
+            "options",
+            "timeout_s",
+            "isolation",
+            "workers",
+            "overlong_buffer",
+            "overlong_penalty",
+        }
+    ),
+    "engine": frozenset(
+        {"slots", "max_decode_length", "temperature", "top_k", "top_p", "stop_strings"}
+    ),
+    "sft": frozenset({"steps", "batch_size", "learning_rate"}),
+    "eval": frozenset(
+        {"num_prompts", "samples_per_prompt", "every", "temperature", "top_k", "top_p"}
+    ),
+    "checkpoint": frozenset({"every", "keep"}),
+}
+# Sections the app reads field by field, so each must be there (`model` and `task` fields take
+# their dataclasses' defaults when absent).
+_COMPLETE_SECTIONS = ("runtime", "data", "reward", "engine", "sft", "eval", "checkpoint")
+_TOP_LEVEL_FIELDS = frozenset(
+    {"seed", "num_cpu_devices", "compilation_cache_dir", "rollout", "train", *_SECTION_FIELDS}
+)
+# Each field's smallest value: counts the run divides by or must have at least one of.
+_MINIMA = {
+    "engine.slots": 1,
+    "engine.max_decode_length": 1,
+    "data.max_prompt_len": 1,
+    "sft.steps": 0,
+    "sft.batch_size": 1,
+    "eval.num_prompts": 1,
+    "eval.samples_per_prompt": 1,
+    "eval.every": 0,  # 0: before and after RL only
+    "checkpoint.every": 0,  # 0: no checkpoints
+    "checkpoint.keep": 1,
+}
+
+
+def validate(config: ml_collections.ConfigDict) -> Settings:
+    """Checks the whole config before any heavy work; errors name the offending field."""
+    _check_field_names(config)
+    if config.model.dtype not in DTYPES:
+        raise ValueError(f"model.dtype={config.model.dtype!r}: expected one of {list(DTYPES)}")
+    if config.data.source not in ("longtail", "files"):
+        raise ValueError(f"data.source={config.data.source!r}: expected 'longtail' or 'files'")
+    if config.data.source == "files" and not config.data.train_files:
+        raise ValueError("data.train_files must name at least one file when data.source='files'")
+    if config.data.source == "files" and not config.model.checkpoint:
+        raise ValueError(
+            "model.checkpoint must name a Hugging Face model directory when data.source='files' "
+            "(its tokenizer.json tokenizes the files' prompts)"
+        )
+    if config.data.on_bad_row not in BAD_ROW_MODES:
+        raise ValueError(
+            f"data.on_bad_row={config.data.on_bad_row!r}: expected one of {BAD_ROW_MODES}"
+        )
+    check_integer_fields(config, _MINIMA)
+    if config.eval.every and not config.checkpoint.every:
+        raise ValueError(
+            f"eval.every={config.eval.every} needs checkpoint.every > 0: held-out evaluation "
+            "runs at checkpoint barriers, where the trainer's params are at rest (or set 0)"
+        )
+    _named("engine.", lambda: engine_sampling(config))
+    _named("eval.", lambda: eval_sampling(config))
+    stop_strings(config)
+    if config.data.template != "chat":  # a chat template is the checkpoint's, checked on load
+        _named("data.template: ", lambda: make_template(config.data.template))
+    if config.data.source == "longtail":
+        longtail_task(config)  # its errors name their task.* field
+    rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "seed": config.seed})
+    train = train_config(rollout, config.train)
+    reward_runner(config)  # a bad reward fails here, not mid-run (its workers start later)
+    overlong = OverlongPenalty(
+        int(config.engine.max_decode_length),
+        config.reward.overlong_buffer,
+        config.reward.overlong_penalty,
+    )
+    runtime = config.runtime.to_dict()
+    hosts = _generation_hosts(runtime.pop("generation_hosts", ""), runtime["num_instances"])
+    runtime.pop("coordinator", "")
+    _named("runtime.host_", lambda: check_timeout(runtime.pop("host_timeout_s")))
+    group = runtime.pop("training_hosts", "")
+    if group:
+        _check_training_group(group, hosts, runtime["train_devices"])
+    plan = plan_devices(
+        **runtime, remote_instances=bool(group) or (bool(hosts) and hosts[0] != "local")
+    )
+    return Settings(
+        rollout=rollout, train=train, plan=plan, generation_hosts=hosts, overlong=overlong
+    )
+
+
+def _check_field_names(config: ml_collections.ConfigDict) -> None:
+    unknown = sorted(set(config) - _TOP_LEVEL_FIELDS)
+    for section, known in _SECTION_FIELDS.items():
+        unknown += sorted(f"{section}.{f}" for f in set(config.get(section, {})) - known)
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown}: misspelled, or not a dora_jax field")
+    missing = sorted(
+        f"{section}.{f}"
+        for section in _COMPLETE_SECTIONS
+        for f in _SECTION_FIELDS[section] - set(config.get(section, {}))
+    )
+    if missing:
+        raise ValueError(
+            f"config lacks field(s) {missing}: a config file written for an older dora_jax? "
+            "Start it from configs/default.py's get_config() and change what differs"
+        )
+
+
+def _named(prefix: str, check: Any) -> Any:
+    """Runs `check` and returns its result, prefixing `prefix` to the ValueError of a library
+    that only knows its own argument names (`top_p must be in (0, 1]` -> `engine.top_p ...`)."""
+    try:
+        return check()
+    except ValueError as e:
+        raise ValueError(f"{prefix}{e}") from e
+
+
+def engine_sampling(config: ml_collections.ConfigDict) -> SamplingParams:
+    e = config.engine
+    return SamplingParams(temperature=e.temperature, top_k=e.top_k, top_p=e.top_p)
+
+
+def eval_sampling(config: ml_collections.ConfigDict) -> SamplingParams:
+    """The held-out samples' sampling: `eval.temperature` / `top_k` / `top_p` where set, the
+    engine's (rollout's) elsewhere."""
+    e, v = config.engine, config.eval
+    pick = lambda value, default: default if value is None else value
+    return SamplingParams(
+        temperature=pick(v.temperature, e.temperature),
+        top_k=pick(v.top_k, e.top_k),
+        top_p=pick(v.top_p, e.top_p),
+    )
+
+
+def stop_strings(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """`engine.stop_strings`, checked: a response ends at the first token whose text completes
+    one, in rollout and held-out evaluation alike; unlike vLLM's `stop`, the stop string stays
+    in the response's text, where a reward may look for it."""
+    value = config.engine.stop_strings
+    if not isinstance(value, tuple | list) or not all(isinstance(x, str) and x for x in value):
+        raise ValueError(
+            f"engine.stop_strings={value!r}: expected a tuple of non-empty strings, e.g. "
+            "('</answer>',)"
+        )
+    return tuple(value)
+
+
+def longtail_task(config: ml_collections.ConfigDict) -> LongTailTask:
+    return LongTailTask(**{k: v for k, v in config.task.items() if k != "demonstration_noise"})
+
+
+def _check_training_group(value: str, generation_hosts: Sequence[str], train_devices: int) -> None:
+    """A run with training hosts has joined their group (`start_training_hosts`) by now."""
+    field = "runtime.training_hosts"
+    if jax.process_count() == 1:
+        raise ValueError(
+            f"{field}={value!r}: only `dora-jax train` starts training hosts; set it to '' "
+            "(and runtime.train_devices to this machine's devices) for this command"
+        )
+    if value.startswith("local:") and jax.devices()[0].platform != "cpu":
+        raise ValueError(
+            f"{field}={value!r} starts training hosts in child processes of this machine, which "
+            "only CPU devices allow; run one `dora-jax host` per machine (HOST:PORT,...)"
+        )
+    if not generation_hosts:
+        raise ValueError(
+            f"{field}={value!r} needs runtime.generation_hosts: the training mesh takes every "
+            "device of the training group, so the rollout instances run on generation hosts"
+        )
+    if train_devices != jax.device_count():
+        raise ValueError(
+            f"runtime.train_devices={train_devices}: with {field}={value!r} the training mesh "
+            f"is every device of the group, {jax.device_count()} here"
+        )
+
+
+def _generation_hosts(value: Any, num_instances: int) -> tuple[str, ...]:
+    field = "runtime.generation_hosts"
+    if not isinstance(value, str):
+        raise ValueError(f"{field}={value!r}: expected '', 'local' or HOST:PORT,...")
+    if value == "local" and jax.devices()[0].platform != "cpu":
+        raise ValueError(
+            f"{field}='local' starts engines in child processes of this machine, which only "
+            "CPU devices allow (this process holds the accelerators); use '' or one "
+            "`dora-jax host` per machine (HOST:PORT,...)"
+        )
+    if value in ("", "local"):
+        return (value,) * num_instances if value else ()
+    addresses = tuple(a.strip() for a in value.split(","))
+    for address in addresses:
+        hosts_lib.parse_address(address, field)
+    if len(addresses) != num_instances:
+        raise ValueError(
+            f"{field}: {len(addresses)} addresses for runtime.num_instances={num_instances}"
+        )
+    hosts_lib.host_key()  # a missing key fails here, not at the first connection
+    return addresses
+
+
+def reward_runner(config: ml_collections.ConfigDict) -> RewardRunner:
+    """The task's reward under the runner's timeout, in worker processes (`reward.isolation`)."""
+    r = config.reward
+    fn = get_reward(r.name, **r.options.to_dict())  # its errors name reward.name / .options
+    return _named(
+        "reward.",
+        lambda: RewardRunner(fn, timeout_s=r.timeout_s, workers=r.workers, isolation=r.isolation),
+    )
+
+
+# -- the run's identity -------------------------------------------------------------------------
+
+# Fields a resumed run may change: where it runs, how long, what it evaluates and keeps. Any
+# other difference (model, data, reward, sampling, rollout rules, trainer) would continue the
+# saved run as another one, from a ledger cut back to the checkpoint.
+_RESUMABLE_CHANGES = (
+    "compilation_cache_dir", "num_cpu_devices", "rollout.num_iterations", "runtime.", "eval.",
+    "checkpoint.", "sft.", "engine.slots", "reward.isolation", "reward.workers",
+    "train.remat",  # what the backward keeps (same math, bfloat16 rounds apart): on after OOM
+    "model.qk_norm",  # implied by model.architecture (ModelConfig refuses any other value)
+)  # fmt: skip
+
+
+# Run-defining fields added after checkpoints were saved without them, with the value that does
+# what the code did before each existed: a run saved then goes on under a config stating it.
+_ADDED_FIELDS: dict[str, Any] = {
+    "reward.options": {},
+    "engine.stop_strings": [],
+    "train.entropy_coef": 0.0,
+    "train.micro_batch_tokens": None,
+    "train.epochs": 1,
+}
+
+
+def run_defining_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The config's fields as {"section.field": value} (JSON values), less those a resumed
+    run may change: saved with each checkpoint, compared on resume."""
+    flat = {}
+    for key, value in json.loads(config.to_json()).items():
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        for field, v in items:
+            name = key if field is None else f"{key}.{field}"
+            if not name.startswith(_RESUMABLE_CHANGES):
+                flat[name] = v
+    return flat
+
+
+def check_same_run(
+    saved: dict[str, Any] | None,
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    prefixes: tuple[str, ...] = ("",),
+) -> None:
+    """Refuses to continue (or evaluate) the run saved in `workdir` under another config: a
+    different model shape would fail deep in orbax, a different group size or mode would
+    stall the resumed rollout after cutting the saved run's ledger back. Checkpoints from
+    before configs were saved (`saved` None) are not checked."""
+    if saved is None:
+        return
+    saved = {**_ADDED_FIELDS, **saved}
+    now = run_defining_fields(config)
+    differ = sorted(
+        k
+        for k in saved.keys() | now.keys()
+        if k.startswith(prefixes)
+        and not k.startswith(_RESUMABLE_CHANGES)  # a checkpoint may predate the exemption
+        and saved.get(k) != now.get(k)
+    )
+    if differ:
+        changes = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in differ)
+        raise ValueError(
+            f"{workdir} holds a run saved under another config ({changes}); continue it with "
+            "the same settings, or start this one in a new workdir"
+        )

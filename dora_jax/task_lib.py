@@ -1,0 +1,230 @@
+"""The task a run trains on: prompts from the data pipeline, their reward, and held-out scores.
+
+`PromptStream` feeds rollout one group's prompt at a time and keeps each record only until its
+group is scored; `RewardAdapter` scores finished samples through the timeout-safe reward runner
+plus the overlong penalty; `evaluate` gives held-out pass@1 / pass@k with the engine and the
+same reward.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from dora_jax.data import (
+    LongTailTask,
+    Tokenizer,
+    load_tokenizer,
+    make_template,
+    memory_rows,
+    open_files,
+    prompt_dataset,
+)
+from dora_jax.engine import Engine, Request, TextStream, generate_all
+from dora_jax.rewards import RewardRunner
+from dora_jax.rewards.shaping_lib import OverlongPenalty
+from dora_jax.rollout.request_lib import PromptSpec
+from dora_jax.settings_lib import eval_sampling, longtail_task, stop_strings
+
+
+@dataclasses.dataclass
+class TaskData:
+    tokenizer: Tokenizer
+    train_rows: Any  # a RowSource
+    heldout_rows: Any  # a RowSource, or None: no held-out evaluation
+    demonstrations: list[tuple[str, str]]
+    task: LongTailTask | None
+
+
+def load_task(config: ml_collections.ConfigDict) -> TaskData:
+    if config.data.source == "longtail":
+        task = longtail_task(config)
+        train = task.rows("train", 20_000, seed=config.seed)
+        heldout = memory_rows(task.rows("heldout", config.eval.num_prompts, config.seed + 1))
+        demos = task.demonstrations(
+            task.rows("train", 20_000, seed=config.seed + 2),
+            config.task.demonstration_noise,
+            seed=config.seed,
+        )
+        return TaskData(task.tokenizer(), memory_rows(train, "longtail"), heldout, demos, task)
+    fields = (config.data.prompt_field, config.data.answer_field)
+    heldout = None
+    if config.data.heldout_files:
+        heldout = open_files(config.data.heldout_files.split(","), fields)
+    train = open_files(config.data.train_files.split(","), fields)
+    return TaskData(load_tokenizer(config.model.checkpoint), train, heldout, [], None)
+
+
+class PromptStream:
+    """Rollout's prompt source: prompt id i is the next record of the grain pipeline.
+
+    Rollout asks for prompt ids in order, once each; a record is kept until every sample of its
+    group has been scored (each sample is scored once), so that its answer is known then and a
+    long run does not hold every prompt it ever read. A resumed run starts at `first_id` with
+    the iterator restored to the matching position (the checkpoint barrier leaves no prompt
+    half-used).
+    """
+
+    def __init__(
+        self,
+        iterator: Any,
+        group_size: int,
+        max_new_tokens: int,
+        first_id: int = 0,
+        stop_strings: tuple[str, ...] = (),
+        text_stream: Callable[[], TextStream] | None = None,
+    ):
+        self.iterator = iterator
+        self.group_size = group_size
+        self.max_new_tokens = max_new_tokens
+        self.stop_strings = stop_strings
+        self.text_stream = text_stream
+        self.next_id = first_id
+        self.records: dict[int, dict[str, Any]] = {}
+        self._scored: collections.Counter[int] = collections.Counter()
+
+    def __call__(self, prompt_id: int) -> PromptSpec:
+        if prompt_id not in self.records:
+            if prompt_id != self.next_id:
+                raise ValueError(f"prompt {prompt_id} requested out of order ({self.next_id})")
+            self.records[prompt_id] = next(self.iterator)
+            self.next_id += 1
+        record = self.records[prompt_id]
+        return PromptSpec(
+            prompt_id,
+            np.asarray(record["prompt_tokens"], np.int32),
+            (self.max_new_tokens,) * self.group_size,
+            stop_strings=self.stop_strings,
+            text_stream=self.text_stream,
+        )
+
+    def answer(self, prompt_id: int) -> str:
+        """The reference answer for one sample of the group about to be scored."""
+        answer = self.records[prompt_id]["answer"]
+        self._scored[prompt_id] += 1
+        if self._scored[prompt_id] == self.group_size:
+            del self.records[prompt_id], self._scored[prompt_id]
+        return answer
+
+
+class RewardAdapter:
+    """(prompt id, response tokens) -> reward: the task's, through the timeout-safe
+    `RewardRunner`, plus the overlong penalty of the response's length."""
+
+    def __init__(
+        self,
+        runner: RewardRunner,
+        tokenizer: Tokenizer,
+        prompts: PromptStream,
+        overlong: OverlongPenalty,
+    ):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.overlong = overlong
+        self.penalized = 0
+
+    def __call__(self, batch: Sequence[tuple[int, np.ndarray]]) -> list[float]:
+        """A turn's finished samples, scored by the runner's workers together."""
+        items = [
+            (pid, self.tokenizer.decode([int(t) for t in tokens]), self.prompts.answer(pid))
+            for pid, tokens in batch
+        ]
+        rewards = []
+        for reward, (_, tokens) in zip(self.runner.score(items), batch, strict=True):
+            penalty = self.overlong(len(tokens))
+            self.penalized += penalty < 0
+            rewards.append(reward + penalty)
+        return rewards
+
+    def restore_metrics(self, saved: dict[str, float]) -> None:
+        """Continues the counters `metrics()` returned when a checkpoint was saved."""
+        self.runner.restore_metrics(saved)
+        self.penalized = int(saved.get("reward/overlong_penalized", 0))
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters, the reward runner's and the overlong penalty's."""
+        return {
+            **{k: float(v) for k, v in self.runner.metrics().items()},
+            "reward/overlong_penalized": float(self.penalized),
+        }
+
+
+# -- held-out evaluation ------------------------------------------------------------------------
+
+
+def heldout_records(config: ml_collections.ConfigDict, data: TaskData) -> list[dict[str, Any]]:
+    """The first `eval.num_prompts` held-out prompts, through the same pipeline as training
+    (template, tokenizer, length limit, bad-row policy)."""
+    if data.heldout_rows is None:
+        return []
+    iterator = iter(prompt_records(config, data, data.heldout_rows, num_epochs=1))
+    return [record for record, _ in zip(iterator, range(config.eval.num_prompts), strict=False)]
+
+
+def held_out_due(version: int, every: int, barrier_every: int) -> bool:
+    """Whether the checkpoint barrier of `version` (one every `barrier_every` versions) scores
+    the held-out set: the first barrier at or after each multiple of `every` (0: none), i.e.
+    one with a multiple of `every` among the versions since the previous barrier."""
+    return bool(every) and version // every > (version - barrier_every) // every
+
+
+def evaluate(
+    engine: Engine,
+    params: Any,
+    records: Sequence[dict[str, Any]],
+    config: ml_collections.ConfigDict,
+    runner: RewardRunner,
+    tokenizer: Tokenizer,
+) -> dict[str, float]:
+    """pass@1 (mean over k samples) and pass@k on the held-out prompts, sampled as
+    `eval_sampling` says."""
+    if not records:
+        return {}
+    k = config.eval.samples_per_prompt
+    stops = stop_strings(config)
+    sampling = eval_sampling(config)
+    requests = [
+        Request(
+            prompt_tokens=record["prompt_tokens"],
+            seed=10_000 * i + j,
+            id=(i, j),
+            stop_strings=stops,
+            sampling=sampling,
+        )
+        for i, record in enumerate(records)
+        for j in range(k)
+    ]
+    completions = generate_all(engine, params, requests, text_stream=tokenizer.text_stream)
+    scores = np.asarray(
+        runner.score(
+            [(c.id, tokenizer.decode(c.tokens), records[c.id[0]]["answer"]) for c in completions],
+            counted=False,
+        )
+    ).reshape(len(records), k)
+    correct = scores >= 1.0
+    return {"pass@1": float(correct.mean()), f"pass@{k}": float(correct.any(axis=1).mean())}
+
+
+def prompt_records(
+    config: ml_collections.ConfigDict, data: TaskData, rows: Any, num_epochs: int | None = None
+) -> Any:
+    """`rows` through the data pipeline as the config sets it: template, tokenizer, prompt
+    length limit, bad-row policy; each record a tokenized prompt and its answer."""
+    builtin = data.task is not None
+    return prompt_dataset(
+        rows,
+        data.tokenizer,
+        make_template(config.data.template, config.model.checkpoint or None),
+        max_prompt_len=config.data.max_prompt_len,
+        seed=config.seed,
+        prompt_field="prompt" if builtin else config.data.prompt_field,
+        answer_field="answer" if builtin else config.data.answer_field,
+        on_bad_row=config.data.on_bad_row,
+        num_epochs=num_epochs,
+    )

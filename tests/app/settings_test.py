@@ -1,0 +1,190 @@
+"""Config validation fails at start, naming the field; a checkpoint's run is known by its
+run-defining fields."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+
+from configs import default
+from dora_jax import settings_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize(
+    "section,field,value,named",
+    [
+        ("rollout", "train_batch_size", 60, "rollout.train_batch_size"),
+        ("rollout", "rollout_batch_size", 32, "rollout.rollout_batch_size"),
+        ("rollout", "staleness_bound", -1, "rollout.staleness_bound"),
+        ("rollout", "mode", "async_magic", "rollout.mode"),
+        ("runtime", "num_instances", 9, "runtime.num_instances"),
+        ("train", "loss", "no_such_loss", "loss"),
+        ("reward", "name", "no_such_reward", "no_such_reward"),
+        ("reward", "overlong_buffer", 49, "reward.overlong_buffer"),  # > engine.max_decode_length
+        ("reward", "overlong_penalty", -1.0, "reward.overlong_penalty"),
+        ("reward", "timeout_s", 0.0, "reward.timeout_s"),
+        ("reward", "timeout_s", -1.0, "reward.timeout_s"),
+        # inf overflowed Thread.join at the first score, after the SFT warm-up; NaN timed out all.
+        ("reward", "timeout_s", float("inf"), "reward.timeout_s"),
+        ("reward", "timeout_s", float("nan"), "reward.timeout_s"),
+        ("reward", "isolation", "fork", "reward.isolation='fork'"),
+        ("reward", "workers", 0, "reward.workers"),
+        ("model", "dtype", "float8", "model.dtype"),
+        ("data", "source", "s3", "data.source"),
+        ("engine", "slots", 0, "engine.slots"),
+        ("runtime", "generation_hosts", "gpu7", "runtime.generation_hosts"),
+        ("runtime", "generation_hosts", "a:7100,b:7100", "runtime.generation_hosts"),
+        # Only `dora-jax train` joins a training group, before validating.
+        ("runtime", "training_hosts", "local:1", "runtime.training_hosts"),
+        ("runtime", "host_timeout_s", 0.0, "runtime.host_timeout_s"),
+        ("runtime", "host_timeout_s", float("nan"), "runtime.host_timeout_s"),
+        ("runtime", "host_timeout_s", float("inf"), "runtime.host_timeout_s"),
+        ("data", "on_bad_row", "ignore", "data.on_bad_row"),
+        ("data", "max_prompt_len", 0, "data.max_prompt_len"),
+        ("data", "template", "{question}", "data.template"),
+        ("data", "source", "files", "data.train_files"),
+        ("engine", "temperature", -1.0, "engine.temperature"),
+        ("engine", "top_p", 2.0, "engine.top_p"),
+        ("engine", "top_k", -5, "engine.top_k"),
+        ("engine", "stop_strings", ("",), "engine.stop_strings"),
+        ("task", "modulus", 4, "task.modulus"),
+        ("sft", "batch_size", 0, "sft.batch_size"),
+        ("eval", "num_prompts", 0, "eval.num_prompts"),
+        ("eval", "samples_per_prompt", 0, "eval.samples_per_prompt"),
+        ("checkpoint", "every", 0, r"eval.every=50 needs checkpoint.every > 0"),
+        ("checkpoint", "every", -1, "checkpoint.every"),
+        ("checkpoint", "keep", 0, "checkpoint.keep"),
+    ],
+)
+def test_bad_config_fails_at_start_naming_the_field(section, field, value, named):
+    config = default.get_config()
+    config[section][field] = value
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        settings_lib.validate(config)
+
+
+def test_files_need_the_checkpoint_that_tokenizes_them():
+    config = default.get_config()
+    config.data.update(source="files", train_files="train.jsonl")
+    with pytest.raises(ValueError, match=r"model\.checkpoint"):
+        settings_lib.validate(config)
+
+
+@pytest.mark.parametrize(
+    "section,misspelled",
+    [("data", "max_prompt_length"), ("engine", "temprature"), ("model", "num_layer"),
+     ("checkpoint", "evry"), (None, "num_iteration")],
+)  # fmt: skip
+def test_a_misspelled_field_in_a_config_file_is_refused(section, misspelled):
+    """`--config.x=` overrides of unknown fields fail in absl; a config file's would be ignored
+    (the default used in silence) if `validate` did not compare every section with its fields."""
+    config = default.get_config()
+    (config if section is None else config[section])[misspelled] = 1
+    named = misspelled if section is None else f"{section}.{misspelled}"
+    with pytest.raises(ValueError, match=rf"unknown config field.*'{named}'"):
+        settings_lib.validate(config)
+
+
+def test_a_run_saved_before_a_field_existed_resumes_with_the_fields_old_behaviour(tmp_path):
+    """A checkpoint's config from before `engine.stop_strings` (or `reward.options`) existed
+    ran without stop strings: a config stating none goes on with it, one stating some does
+    not."""
+    config = default.get_config()
+    saved = settings_lib.run_defining_fields(config)
+    for added in ("engine.stop_strings", "reward.options", "train.entropy_coef",
+                  "train.micro_batch_tokens", "train.epochs"):  # fmt: skip
+        del saved[added]
+    settings_lib.check_same_run(saved, config, str(tmp_path))
+    config.engine.stop_strings = ("</answer>",)
+    with pytest.raises(ValueError, match=r"engine\.stop_strings: \[\] -> \['</answer>'\]"):
+        settings_lib.check_same_run(saved, config, str(tmp_path))
+
+
+def test_stating_what_the_architecture_implies_is_the_same_run(tmp_path):
+    """`model.qk_norm` can only be the architecture's value: a run started with it unset (the
+    default) resumes with it stated, and a checkpoint saved when the default stated it (and
+    before `reward.workers` existed) still matches."""
+    config = default.get_config()
+    saved = settings_lib.run_defining_fields(config)
+    config.model.qk_norm = True
+    settings_lib.check_same_run(saved, config, str(tmp_path))
+    older = {**saved, "model.qk_norm": True}
+    settings_lib.check_same_run(older, default.get_config(), str(tmp_path), prefixes=("model.",))
+
+
+def test_a_config_without_a_field_the_app_reads_names_it():
+    """A config file written before a field existed failed with a bare AttributeError (or a
+    KeyError, deep in validation)."""
+    config = default.get_config()
+    del config.runtime["host_timeout_s"]
+    del config.reward["options"]
+    with pytest.raises(
+        ValueError, match=r"lacks field\(s\) \['reward.options', 'runtime.host_timeout_s'\]"
+    ):
+        settings_lib.validate(config)
+
+
+def test_local_hosts_are_refused_on_an_accelerator(monkeypatch):
+    config = default.get_config()
+    config.runtime.generation_hosts = "local"
+    gpu = [types.SimpleNamespace(platform="gpu")]
+    monkeypatch.setattr(settings_lib.jax, "devices", lambda: gpu)
+    with pytest.raises(ValueError, match=r"runtime\.generation_hosts='local' .* only CPU"):
+        settings_lib.validate(config)
+
+
+def test_reward_options_from_the_config_are_bound_to_the_reward():
+    """`reward.options` reach the function in its worker processes; a misspelled one fails at
+    start, naming the field (the registry took options, but no config field could give them)."""
+    config = default.get_config()
+    config.reward.name = "format"
+    config.reward.options = {"pattern": r"<answer>.+?</answer>"}
+    runner = settings_lib.reward_runner(config)
+    try:
+        scored = runner.score([(0, "so <answer>7</answer>", ""), (1, "so \\boxed{7}", "")])
+    finally:
+        runner.close()
+    assert scored == [1.0, 0.0]  # the default pattern would score them the other way round
+    config.reward.options = {"patern": "x"}
+    with pytest.raises(ValueError, match=r"reward\.options\.patern"):
+        settings_lib.validate(config)
+
+
+def test_reward_workers_from_the_config_score_side_by_side():
+    """`reward.workers` calls run at once: six meet at a barrier of six (four, the default,
+    would break it and score errors)."""
+    config = default.get_config()
+    config.reward.update(name="app_rewards:meets_five_others", isolation="thread", workers=6)
+    runner = settings_lib.reward_runner(config)
+    assert runner.score([(i, "y", "x") for i in range(6)]) == [1.0] * 6
+    assert runner.counters.errors == 0
+
+
+def test_real_recipe_is_a_valid_config():
+    from configs import qwen3_gsm8k
+
+    settings = settings_lib.validate(qwen3_gsm8k.get_config())
+    assert settings.rollout.mode == "dora" and settings.train.tbs == 256
+    assert settings.plan.num_instances == 4
+
+
+def test_batch_size_set_twice_is_refused():
+    config = default.get_config()
+    config.train.tbs = 32
+    with pytest.raises(ValueError, match=r"train\.tbs"):
+        settings_lib.validate(config)
+
+
+def test_stop_strings_written_as_one_string_are_refused():
+    """A config file's `c.engine.stop_strings = "</answer>"` (a str, not a tuple) would stop at
+    any of its characters if taken as a sequence; a command-line override of the default tuple
+    is refused by ml_collections itself."""
+    config = default.get_config()
+    del config.engine["stop_strings"]
+    config.engine.stop_strings = "</answer>"
+    with pytest.raises(ValueError, match=r"engine\.stop_strings='</answer>'"):
+        settings_lib.validate(config)
