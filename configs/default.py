@@ -34,6 +34,13 @@ def get_config() -> ml_collections.ConfigDict:
     # Unset (None): what `architecture` implies (Qwen3: on), so that switching the architecture
     # alone gives a valid model; `--config.model.qk_norm=false` states it.
     c.model.qk_norm = ml_collections.config_dict.placeholder(bool)
+    # LoRA: > 0 trains rank-`lora_rank` adapters on `lora_targets` (Hugging Face projection
+    # names; MoE experts keep none) scaled by lora_alpha / lora_rank, the base weights frozen.
+    # The optimizer then holds two moments per adapter number, not per weight. LoRA usually
+    # wants a learning rate ~10x full fine-tuning's. Export merges the adapters in.
+    c.model.lora_rank = 0
+    c.model.lora_alpha = 16.0
+    c.model.lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
     c.runtime = ml_collections.ConfigDict()
     c.runtime.train_devices = 4

@@ -34,6 +34,7 @@ from dora_jax.settings_lib import (
     Settings,
     check_same_run,
     engine_sampling,
+    lora_config,
     reward_runner,
     run_defining_fields,
     stop_strings,
@@ -107,13 +108,13 @@ def load_policy(
     """
     dtype = DTYPES[config.model.dtype]
     mesh = _this_process_part(mesh)
+    kwargs = {"param_dtype": PARAM_DTYPE, "dtype": dtype, "lora": lora_config(config)}
     if config.model.checkpoint:
-        return models.from_pretrained(
-            config.model.checkpoint, dtype=dtype, param_dtype=PARAM_DTYPE, mesh=mesh
-        )
+        path = config.model.checkpoint
+        return models.from_pretrained(path, mesh=mesh, seed=config.seed, **kwargs)
     shape = {k: v for k, v in config.model.items() if k in MODEL_SHAPE_FIELDS}
     model_config = models.ModelConfig(vocab_size=vocab_size, **shape)
-    model = models.create(model_config, seed=config.seed, param_dtype=PARAM_DTYPE, dtype=dtype)
+    model = models.create(model_config, seed=config.seed, **kwargs)
     return sharding_lib.shard_model(model, mesh)
 
 
@@ -254,7 +255,7 @@ def start_generation_hosts(
         _engine_settings(config, eos_ids),
         devices=config.runtime.devices_per_instance,
         tp=config.runtime.instance_tp,
-        model_kwargs={"param_dtype": PARAM_DTYPE, "dtype": dtype},
+        model_kwargs={"param_dtype": PARAM_DTYPE, "dtype": dtype, "lora": lora_config(config)},
     )
     timeout_s = config.runtime.host_timeout_s
     if hosts[0] == "local":

@@ -21,6 +21,7 @@ from dora_jax import models
 from dora_jax.config_fields_lib import check_integer_fields, check_timeout
 from dora_jax.data import BAD_ROW_MODES, LongTailTask, make_template
 from dora_jax.engine import SamplingParams
+from dora_jax.models import lora_lib
 from dora_jax.rewards import RewardRunner, get_reward
 from dora_jax.rewards.shaping_lib import OverlongPenalty
 from dora_jax.rollout.config_lib import RolloutConfig, train_config
@@ -54,7 +55,9 @@ class Settings:
 # against their dataclasses): a field misspelled in a config file would otherwise be ignored,
 # its default used in silence. (`--config.x=` overrides of unknown fields fail in absl.)
 _SECTION_FIELDS: dict[str, frozenset[str]] = {
-    "model": frozenset({"checkpoint", "dtype", *MODEL_SHAPE_FIELDS}),
+    "model": frozenset(
+        {"checkpoint", "dtype", "lora_rank", "lora_alpha", "lora_targets", *MODEL_SHAPE_FIELDS}
+    ),
     "runtime": frozenset(
         {
             "train_devices",
@@ -141,6 +144,7 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
             f"data.on_bad_row={config.data.on_bad_row!r}: expected one of {BAD_ROW_MODES}"
         )
     check_integer_fields(config, _MINIMA)
+    lora_config(config)
     if config.eval.every and not config.checkpoint.every:
         raise ValueError(
             f"eval.every={config.eval.every} needs checkpoint.every > 0: held-out evaluation "
@@ -201,6 +205,26 @@ def _named(prefix: str, check: Any) -> Any:
         return check()
     except ValueError as e:
         raise ValueError(f"{prefix}{e}") from e
+
+
+def lora_config(config: ml_collections.ConfigDict) -> models.LoRAConfig | None:
+    """The policy's adapters (`model.lora_rank` > 0), or None: every weight trains."""
+    m = config.model
+    rank, alpha = m.get("lora_rank", 0), m.get("lora_alpha", 16.0)
+    targets = m.get("lora_targets", ",".join(lora_lib.TARGETS))
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"model.lora_rank={rank!r}: expected an integer >= 0 (0: no LoRA)")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+        raise ValueError(f"model.lora_alpha={alpha!r}: expected a number > 0")
+    names = tuple(t.strip() for t in targets.split(",")) if isinstance(targets, str) else ()
+    if not names or not set(names) <= set(lora_lib.TARGETS):
+        raise ValueError(
+            f"model.lora_targets={targets!r}: expected comma-separated projections among "
+            f"{','.join(lora_lib.TARGETS)}"
+        )
+    if rank == 0:
+        return None
+    return models.LoRAConfig(rank=rank, alpha=float(alpha), targets=names)
 
 
 def engine_sampling(config: ml_collections.ConfigDict) -> SamplingParams:
@@ -316,6 +340,9 @@ _ADDED_FIELDS: dict[str, Any] = {
     "train.entropy_coef": 0.0,
     "train.micro_batch_tokens": None,
     "train.epochs": 1,
+    "model.lora_rank": 0,
+    "model.lora_alpha": 16.0,
+    "model.lora_targets": ",".join(lora_lib.TARGETS),
 }
 
 

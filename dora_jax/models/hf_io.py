@@ -28,7 +28,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from dora_jax.models import model_lib, sharding_lib
+from dora_jax.models import lora_lib, model_lib, sharding_lib
 from dora_jax.models.config_lib import ModelConfig
 
 _SINGLE = "model.safetensors"
@@ -185,16 +185,20 @@ def from_pretrained(
     *,
     mesh: jax.sharding.Mesh | None = None,
     rules: Mapping[str, str | None] = sharding_lib.DEFAULT_RULES,
+    lora: lora_lib.LoRAConfig | None = None,
+    seed: int = 0,
 ) -> model_lib.Transformer:
     """Loads a Hugging Face model directory into a `Transformer` (compute dtype `dtype`).
 
     With a `mesh`, every param lands sharded as `sharding_lib.param_shardings` lays it out by
     `rules`, each device receiving only its shard: the trainer's layout, so a model too large
     for one device loads, and nothing has to move again. Without one, on the default device.
+    `lora` adds fresh adapters (of `seed`) to the loaded weights.
     """
     config = read_config(path)
     param_dtype = param_dtype or dtype
-    model = model_lib.abstract(config, param_dtype=param_dtype, dtype=dtype)
+    kwargs = {"param_dtype": param_dtype, "dtype": dtype, "lora": lora}
+    model = model_lib.abstract(config, **kwargs)
     reader = _CheckpointReader(path)
     state = nnx.state(model, nnx.Param)
     flat = dict(nnx.to_flat_state(state))
@@ -213,6 +217,10 @@ def from_pretrained(
         host = np.asarray(value, np.dtype(param_dtype))  # ml_dtypes rounds as XLA does
         sharding = shardings[key].get_value() if key in shardings else None
         flat[key] = variable.replace(_place(host, sharding))
+    if lora is not None:
+        for key, adapter in nnx.to_flat_state(model_lib.fresh_adapters(config, seed, **kwargs)):
+            sharding = shardings[key].get_value() if key in shardings else None
+            flat[key] = flat[key].replace(_place(np.asarray(adapter[...]), sharding))
     unused = [
         k for k in reader.weight_map if k not in reader.used and not k.endswith(_IGNORED_SUFFIXES)
     ]
@@ -225,6 +233,7 @@ def from_pretrained(
 
 
 def _export_tensors(model: model_lib.Transformer) -> Iterator[tuple[str, np.ndarray]]:
+    """Each tensor by its Hugging Face name, adapters merged into their kernels."""
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     layouts: dict[str, Callable[[np.ndarray], np.ndarray]] = {
         "plain": lambda a: a,
@@ -232,6 +241,10 @@ def _export_tensors(model: model_lib.Transformer) -> Iterator[tuple[str, np.ndar
     }
     for key, (hf_name, kind) in _tensor_map(model.config).items():
         value = flat[key][...]
+        adapter = (*key[:-1], "lora_a")
+        if key[-1] == "kernel" and adapter in flat:
+            b = flat[(*key[:-1], "lora_b")][...]
+            value = lora_lib.merged_kernel(value, flat[adapter][...], b, model.lora.scale)
         if kind == "experts":
             for e in range(value.shape[0]):
                 yield hf_name.format(e=e), value[e].T

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dora_jax.models import rope_lib
+from dora_jax.models import lora_lib, rope_lib
 from dora_jax.models.config_lib import ModelConfig
 
 _INIT_STD = 0.02
@@ -116,7 +116,11 @@ class RMSNorm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel is [in, out] (the transpose of torch's Linear.weight)."""
+    """y = x @ kernel (+ bias); kernel is [in, out] (the transpose of torch's Linear.weight).
+
+    With `lora`, a low-rank adapter rides beside the kernel (`lora_lib`): its A is drawn from
+    the `lora` stream of `rngs`, so adding adapters leaves every base weight of a seed as it was.
+    """
 
     def __init__(
         self,
@@ -128,27 +132,59 @@ class Linear(nnx.Module):
         bias: bool,
         param_dtype: Any,
         dtype: Any,
+        lora: lora_lib.LoRAConfig | None = None,
     ):
         self.kernel = _param(rngs, (din, dout), axes, param_dtype)
         self.bias = _zeros((dout,), axes[1:], param_dtype) if bias else None
         self.dtype = dtype
+        self.lora_a = self.lora_b = None
+        self.lora_scale = 0.0
+        if lora is not None:
+            a = lora_lib.init_a(rngs.lora(), din, lora.rank, param_dtype)
+            b = jnp.zeros((lora.rank, dout), param_dtype)
+            self.lora_a = nnx.data(nnx.LoRAParam(a, logical_axes=(axes[0], None)))
+            self.lora_b = nnx.data(nnx.LoRAParam(b, logical_axes=(None, axes[1])))
+            self.lora_scale = lora.scale
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x.astype(self.dtype) @ self.kernel[...].astype(self.dtype)
+        x = x.astype(self.dtype)
+        y = x @ self.kernel[...].astype(self.dtype)
+        if self.lora_a is not None:
+            low = x @ self.lora_a[...].astype(self.dtype)
+            y = y + (low @ self.lora_b[...].astype(self.dtype)) * jnp.asarray(
+                self.lora_scale, self.dtype
+            )
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
 
 
+def _adapter(lora: lora_lib.LoRAConfig | None, projection: str) -> lora_lib.LoRAConfig | None:
+    return lora if lora is not None and projection in lora.targets else None
+
+
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, param_dtype: Any, dtype: Any):
+    def __init__(
+        self,
+        config: ModelConfig,
+        rngs: nnx.Rngs,
+        param_dtype: Any,
+        dtype: Any,
+        lora: lora_lib.LoRAConfig | None = None,
+    ):
         c = config
-        kw = dict(param_dtype=param_dtype, dtype=dtype)
         h, q_dim, kv_dim = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.q_proj = Linear(rngs, h, q_dim, ("embed", "q_heads"), bias=c.attention_bias, **kw)
-        self.k_proj = Linear(rngs, h, kv_dim, ("embed", "kv_heads"), bias=c.attention_bias, **kw)
-        self.v_proj = Linear(rngs, h, kv_dim, ("embed", "kv_heads"), bias=c.attention_bias, **kw)
-        self.o_proj = Linear(rngs, q_dim, h, ("q_heads", "embed"), bias=c.attention_out_bias, **kw)
+
+        def linear(name: str, din: int, dout: int, axes: tuple[str, str], bias: bool) -> Linear:
+            return Linear(
+                rngs, din, dout, axes, bias=bias, param_dtype=param_dtype, dtype=dtype,
+                lora=_adapter(lora, name),
+            )  # fmt: skip
+
+        self.q_proj = linear("q_proj", h, q_dim, ("embed", "q_heads"), c.attention_bias)
+        self.k_proj = linear("k_proj", h, kv_dim, ("embed", "kv_heads"), c.attention_bias)
+        self.v_proj = linear("v_proj", h, kv_dim, ("embed", "kv_heads"), c.attention_bias)
+        self.o_proj = linear("o_proj", q_dim, h, ("q_heads", "embed"), c.attention_out_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype, dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype, dtype) if c.qk_norm else None
         inv_freq, self.attention_factor = rope_lib.inverse_frequencies(
@@ -207,11 +243,23 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, c: ModelConfig, inner: int, rngs: nnx.Rngs, param_dtype: Any, dtype: Any):
+    def __init__(
+        self,
+        c: ModelConfig,
+        inner: int,
+        rngs: nnx.Rngs,
+        param_dtype: Any,
+        dtype: Any,
+        lora: lora_lib.LoRAConfig | None = None,
+    ):
         kw = dict(bias=c.mlp_bias, param_dtype=param_dtype, dtype=dtype)
-        self.gate_proj = Linear(rngs, c.hidden_size, inner, ("embed", "mlp"), **kw)
-        self.up_proj = Linear(rngs, c.hidden_size, inner, ("embed", "mlp"), **kw)
-        self.down_proj = Linear(rngs, inner, c.hidden_size, ("mlp", "embed"), **kw)
+        h = c.hidden_size
+        up = ("embed", "mlp")
+        self.gate_proj = Linear(rngs, h, inner, up, lora=_adapter(lora, "gate_proj"), **kw)
+        self.up_proj = Linear(rngs, h, inner, up, lora=_adapter(lora, "up_proj"), **kw)
+        self.down_proj = Linear(
+            rngs, inner, h, ("mlp", "embed"), lora=_adapter(lora, "down_proj"), **kw
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -272,14 +320,22 @@ class MoE(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, c: ModelConfig, layer: int, rngs: nnx.Rngs, param_dtype: Any, dtype: Any):
+    def __init__(
+        self,
+        c: ModelConfig,
+        layer: int,
+        rngs: nnx.Rngs,
+        param_dtype: Any,
+        dtype: Any,
+        lora: lora_lib.LoRAConfig | None = None,
+    ):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype, dtype)
-        self.self_attn = Attention(c, rngs, param_dtype, dtype)
+        self.self_attn = Attention(c, rngs, param_dtype, dtype, lora)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype, dtype)
         if c.is_moe_layer(layer):
             self.mlp = MoE(c, rngs, param_dtype, dtype)
         else:
-            self.mlp = MLP(c, c.intermediate_size, rngs, param_dtype, dtype)
+            self.mlp = MLP(c, c.intermediate_size, rngs, param_dtype, dtype, lora)
 
     def __call__(
         self,
@@ -300,7 +356,9 @@ class DecoderLayer(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Decoder-only causal language model; `model(input_ids)` gives full-sequence logits."""
+    """Decoder-only causal language model; `model(input_ids)` gives full-sequence logits.
+
+    `lora` adds low-rank adapters to its projections (`lora_lib`); `lora` is None for none."""
 
     def __init__(
         self,
@@ -309,15 +367,17 @@ class Transformer(nnx.Module):
         rngs: nnx.Rngs,
         param_dtype: Any = jnp.float32,
         dtype: Any = jnp.float32,
+        lora: lora_lib.LoRAConfig | None = None,
     ):
         c = config
         self.config = c
         self.dtype = dtype
+        self.lora = lora
         self.embed_tokens = _param(
             rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), param_dtype
         )
         self.layers = nnx.List(
-            [DecoderLayer(c, i, rngs, param_dtype, dtype) for i in range(c.num_layers)]
+            [DecoderLayer(c, i, rngs, param_dtype, dtype, lora) for i in range(c.num_layers)]
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype, dtype)
         self.lm_head = (
@@ -384,14 +444,27 @@ def _layer_without_cache(
     return out, load
 
 
+def _rngs(seed: int) -> nnx.Rngs:
+    # Adapters draw from a stream of their own: the base weights of a seed are the same with
+    # and without them.
+    return nnx.Rngs(seed, lora=jax.random.fold_in(jax.random.key(seed), 1))
+
+
 def create(config: ModelConfig, seed: int = 0, **kwargs: Any) -> Transformer:
-    """A randomly initialised model (normal(0, 0.02) weights, unit norms)."""
-    return Transformer(config, rngs=nnx.Rngs(seed), **kwargs)
+    """A randomly initialised model (normal(0, 0.02) weights, unit norms; adapters as
+    `lora_lib` initialises them)."""
+    return Transformer(config, rngs=_rngs(seed), **kwargs)
 
 
 def abstract(config: ModelConfig, **kwargs: Any) -> Transformer:
     """The model's structure with shape-only leaves; `nnx.update` fills it without a random init."""
-    return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), **kwargs))
+    return nnx.eval_shape(lambda: Transformer(config, rngs=_rngs(0), **kwargs))
+
+
+def fresh_adapters(config: ModelConfig, seed: int, **kwargs: Any) -> nnx.State:
+    """The adapters `create(config, seed, **kwargs)` would give, alone: the base weights' random
+    init is dead code in this jitted function, so none is computed or held."""
+    return jax.jit(lambda: nnx.state(create(config, seed, **kwargs), nnx.LoRAParam))()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from dora_jax.models import Functional, Transformer, sharding_lib
+from dora_jax.models import Functional, Transformer, lora_lib, sharding_lib
 
 
 def pack_examples(
@@ -54,7 +54,8 @@ def sequence_loss(
 
 class SupervisedTrainer:
     """AdamW on the sequence loss, params sharded over `mesh`, batch rows split over `fsdp` when
-    it divides them (else replicated, as in the RL trainer)."""
+    it divides them (else replicated, as in the RL trainer). A LoRA model trains its adapters
+    alone, as in RL (`lora_lib.trainable_filter`)."""
 
     def __init__(
         self,
@@ -66,25 +67,33 @@ class SupervisedTrainer:
     ):
         self.fn, params = Functional.of(sharding_lib.shard_model(model, mesh))
         self.remat = remat
-        self.params = params
+        self._trainable, self._frozen = nnx.split_state(
+            params, lora_lib.trainable_filter(params), ...
+        )
         warmup = max(1, steps // 10)
         schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, 2))
         self._tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.9, 0.98))
-        self.opt_state = self._tx.init(params)
+        self.opt_state = self._tx.init(self._trainable)
         self._mesh = mesh
         self._step = jax.jit(self._update, donate_argnums=(0, 1))
 
-    def _update(self, params, opt_state, tokens, mask):
+    @property
+    def params(self) -> Any:
+        return nnx.merge_state(self._frozen, self._trainable)
+
+    def _update(self, trainable, opt_state, frozen, tokens, mask):
         loss, grads = jax.value_and_grad(
-            lambda p: sequence_loss(self.fn, p, tokens, mask, self.remat)
-        )(params)
-        updates, opt_state = self._tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+            lambda t: sequence_loss(self.fn, nnx.merge_state(frozen, t), tokens, mask, self.remat)
+        )(trainable)
+        updates, opt_state = self._tx.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, loss
 
     def step(self, tokens: np.ndarray, mask: np.ndarray) -> float:
         data = sharding_lib.row_sharding(self._mesh, len(tokens))
         tokens, mask = jax.device_put((tokens, mask), data)
-        self.params, self.opt_state, loss = self._step(self.params, self.opt_state, tokens, mask)
+        self._trainable, self.opt_state, loss = self._step(
+            self._trainable, self.opt_state, self._frozen, tokens, mask
+        )
         return float(loss)
 
     def model(self) -> Transformer:

@@ -30,9 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dora_jax.models import Functional, Transformer, sharding_lib
+from dora_jax.models import Functional, Transformer, lora_lib, sharding_lib
 from dora_jax.rollout.trajectory_lib import Trajectory
 from dora_jax.runtime import transfer_lib
 from dora_jax.train import advantage_lib, batch_lib, loss_lib, optimizer_lib
@@ -124,18 +125,23 @@ class Trainer:
         self._fn, params = Functional.of(model)
         self._shardings = sharding_lib.param_shardings(params, mesh)
         self._params = transfer_lib.put(params, self._shardings, copy=True).tree
+        # What the optimizer updates: a LoRA model's adapters, else every param. Gradients and
+        # optimizer state exist for those alone; the rest stays bit for bit as loaded.
+        self._trainable = lora_lib.trainable_filter(params)
+        trainable, _ = self._split(self._params)
+        trainable_shardings = nnx.filter_state(self._shardings, self._trainable)
         self._tx = optimizer_lib.make(config)
         self._schedule = optimizer_lib.schedule(config)
         replicated = NamedSharding(mesh, PartitionSpec())
         self._opt_shardings = optax.tree_map_params(
             self._tx,
             lambda _, sharding: sharding,
-            jax.eval_shape(self._tx.init, self._params),
-            self._shardings,
+            jax.eval_shape(self._tx.init, trainable),
+            trainable_shardings,
             transform_non_params=lambda _: replicated,
         )
-        self._opt_state = jax.jit(self._tx.init, out_shardings=self._opt_shardings)(self._params)
-        self._flat_shardings = tuple(jax.tree.leaves(self._shardings))
+        self._opt_state = jax.jit(self._tx.init, out_shardings=self._opt_shardings)(trainable)
+        self._flat_shardings = tuple(jax.tree.leaves(trainable_shardings))
         self._flat_opt_shardings = tuple(jax.tree.leaves(self._opt_shardings))
         self._ref: _Reference | None = None
         if reference_model is not None and config.kl_coef > 0:
@@ -283,11 +289,13 @@ class Trainer:
                 ]
             )
         micro_sums, losses, grad_norms, oks = [], [], [], []
+        frozen_leaves, frozen_def = jax.tree.flatten(self._split(self._params)[1])
         for _ in range(cfg.epochs):
             for inputs_of_mini in minis:
                 # Params and the gradient go into the micro-steps as flat tuples of leaves: a
                 # tuple flattens in C++, the params' nnx.State in Python (~0.1 ms a call).
-                leaves, treedef = jax.tree.flatten(self._params)
+                trainable = self._split(self._params)[0]
+                leaves, treedef = jax.tree.flatten(trainable)
                 param_leaves = tuple(leaves)
                 grads, mini_loss = _zero_grads(self._flat_shardings, param_leaves)
                 for inputs in inputs_of_mini:
@@ -295,22 +303,24 @@ class Trainer:
                         self._fn,
                         cfg,
                         self._flat_shardings,
-                        treedef,
+                        (treedef, frozen_def),
                         param_leaves,
+                        tuple(frozen_leaves),
                         grads,
                         mini_loss,
                         inputs,
                     )
                     micro_sums.append(micro)
-                self._params, self._opt_state, loss, grad_norm, ok = _apply(
+                trainable, self._opt_state, loss, grad_norm, ok = _apply(
                     cfg,
                     self._flat_shardings,
                     self._flat_opt_shardings,
-                    self._params,
+                    trainable,
                     self._opt_state,
                     jax.tree.unflatten(treedef, grads),
                     mini_loss,
                 )
+                self._params = nnx.merge_state(self._params, trainable)
                 losses.append(loss)
                 grad_norms.append(grad_norm)
                 oks.append(ok)
@@ -401,6 +411,10 @@ class Trainer:
     def _copy(self, params: Any) -> Any:
         return transfer_lib.put(params, self._shardings, copy=True).tree
 
+    def _split(self, params: Any) -> tuple[Any, Any]:
+        """`params` as (trainable, frozen) states; frozen is empty without adapters."""
+        return nnx.split_state(params, self._trainable, ...)
+
     def _place(
         self, mbs: Sequence[batch_lib.MicroBatch], extras: Sequence[tuple[np.ndarray, ...]]
     ) -> list[tuple[jax.Array, ...]]:
@@ -469,24 +483,28 @@ def _zero_grads(shardings: tuple[NamedSharding, ...], leaves: tuple[jax.Array, .
     return _constrain(tuple(jnp.zeros_like(x) for x in leaves), shardings), jnp.zeros(())
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7))
 def _accumulate(
     fn: Functional,
     config: TrainConfig,
     shardings: tuple[NamedSharding, ...],
-    treedef: Any,
+    treedefs: tuple[Any, Any],
     param_leaves: tuple[jax.Array, ...],
+    frozen_leaves: tuple[jax.Array, ...],
     acc: tuple[jax.Array, ...],
     loss_acc: jax.Array,
     inputs: dict[str, Any],
 ) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
     """acc + the gradient of one micro-batch's (pre-weighted) loss, loss_acc + that loss, and
-    its metric sums; the params and the gradients are flat leaves of `treedef`. The loss is
-    summed here, not in `_apply`, so that a mini-batch's number of micro-batches (which a token
-    budget varies) is no argument of a compiled program."""
-    params = jax.tree.unflatten(treedef, param_leaves)
+    its metric sums. The trainable params and their gradients are flat leaves of `treedefs[0]`,
+    the frozen params (a LoRA model's base) of `treedefs[1]`. The loss is summed here, not in
+    `_apply`, so that a mini-batch's number of micro-batches (which a token budget varies) is
+    no argument of a compiled program."""
+    trainable_def, frozen_def = treedefs
+    frozen = jax.tree.unflatten(frozen_def, frozen_leaves)
 
-    def loss_fn(params):
+    def loss_fn(trainable):
+        params = nnx.merge_state(frozen, trainable)
         # Expert load over the positions the loss trains on (not padding, not prompts).
         out = fn.forward(
             params,
@@ -511,7 +529,8 @@ def _accumulate(
         sums["expert_load"] = out.expert_load
         return loss, sums
 
-    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    trainable = jax.tree.unflatten(trainable_def, param_leaves)
+    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
     summed = tuple(map(jnp.add, acc, jax.tree.leaves(grads)))
     return _constrain(summed, shardings), loss_acc + loss, sums
 

@@ -15,6 +15,7 @@ import threading
 import app_rewards
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs import default
 from dora_jax import app_lib, models, settings_lib
@@ -175,6 +176,53 @@ def test_partial_runs_through_the_app_re_prefilling_past_the_prompt_limit(tmp_pa
     report = audit_lib.audit(str(tmp_path))
     # Tokens of one trajectory from several versions: C1 fails by design, nothing else does.
     assert {rule for rule, ok in report.rules.items() if not ok} == {"C1"}
+
+
+@pytest.mark.slow
+def test_a_lora_run_trains_adapters_alone_and_exports_them_merged(tmp_path):
+    """`model.lora_rank` end to end, its engines in generation hosts of their own: the warm-up
+    and RL move the adapters alone (the exported policy is the seed's base weights plus the
+    checkpoint's adapters merged, in numpy), and the run keeps C1-C3."""
+    config = default.get_config()
+    config.model.update(lora_rank=4, lora_alpha=8.0, lora_targets="q_proj,v_proj,down_proj")
+    config.rollout.update(num_iterations=2, train_batch_size=8, rollout_batch_size=16,
+                          group_size=4)  # fmt: skip
+    config.sft.steps = 3
+    config.train.learning_rate = 1e-3
+    config.engine.slots = 4
+    config.eval.update(num_prompts=4, samples_per_prompt=1)
+    config.checkpoint.every = 2
+    config.runtime.generation_hosts = "local"
+    app_lib.train_and_evaluate(config, str(tmp_path), progress=False)
+    assert all(audit_lib.audit(str(tmp_path)).rules.values())
+
+    vocab = LongTailTask().tokenizer().vocab_size
+    shape = {k: v for k, v in config.model.items() if k in settings_lib.MODEL_SHAPE_FIELDS}
+    model_config = models.ModelConfig(vocab_size=vocab, **shape)
+    base = models.create(model_config, seed=config.seed)
+    lora = models.LoRAConfig(4, 8.0, ("q_proj", "v_proj", "down_proj"))
+    _, like = models.Functional.of(models.create(model_config, seed=config.seed, lora=lora))
+    checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
+    trained = {k: np.asarray(v[...]) for k, v in
+               nnx.to_flat_state(checkpointer.restore_params(2, like))}  # fmt: skip
+    checkpointer.close()
+    written = _tensors(tmp_path / "hf_policy")
+    merged = 0
+    for key, weight in nnx.to_flat_state(nnx.state(base)):
+        name = ".".join(map(str, key)).replace("layers.", "model.layers.")
+        if key[-1] == "kernel":
+            name = name.removesuffix(".kernel") + ".weight"
+            want = np.asarray(weight[...])
+            if (*key[:-1], "lora_a") in trained:
+                a, b = trained[(*key[:-1], "lora_a")], trained[(*key[:-1], "lora_b")]
+                assert np.abs(b).max() > 0, key  # trained
+                want = want + lora.scale * a @ b
+                merged += 1
+            np.testing.assert_allclose(written[name], want.T, rtol=1e-5, atol=1e-6)
+        elif key[0] == "layers":
+            np.testing.assert_array_equal(written[name], np.asarray(weight[...]), err_msg=name)
+    assert merged == 3 * model_config.num_layers
+    np.testing.assert_array_equal(written["model.embed_tokens.weight"], base.embed_tokens[...])
 
 
 def test_stop_strings_end_rollout_and_held_out_responses_at_their_first_match(tmp_path):

@@ -34,6 +34,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("reward", "isolation", "fork", "reward.isolation='fork'"),
         ("reward", "workers", 0, "reward.workers"),
         ("model", "dtype", "float8", "model.dtype"),
+        ("model", "lora_rank", -1, "model.lora_rank"),
+        ("model", "lora_alpha", 0.0, "model.lora_alpha"),
+        ("model", "lora_targets", "q_proj,lm_head", "model.lora_targets"),
+        ("model", "lora_targets", "", "model.lora_targets"),
         ("data", "source", "s3", "data.source"),
         ("engine", "slots", 0, "engine.slots"),
         ("runtime", "generation_hosts", "gpu7", "runtime.generation_hosts"),
@@ -96,7 +100,8 @@ def test_a_run_saved_before_a_field_existed_resumes_with_the_fields_old_behaviou
     config = default.get_config()
     saved = settings_lib.run_defining_fields(config)
     for added in ("engine.stop_strings", "reward.options", "train.entropy_coef",
-                  "train.micro_batch_tokens", "train.epochs"):  # fmt: skip
+                  "train.micro_batch_tokens", "train.epochs", "model.lora_rank",
+                  "model.lora_alpha", "model.lora_targets"):  # fmt: skip
         del saved[added]
     settings_lib.check_same_run(saved, config, str(tmp_path))
     config.engine.stop_strings = ("</answer>",)

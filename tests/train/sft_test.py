@@ -5,9 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from dora_jax.models import Functional, ModelConfig, create, sharding_lib
+from dora_jax.models.lora_lib import LoRAConfig
 from dora_jax.train import sft_lib
 
 CONFIG = ModelConfig(
@@ -105,11 +107,39 @@ def test_the_warm_up_recomputes_layers_under_train_remat_and_learns_the_same():
     runs = {}
     for remat in ("none", "full"):
         trainer = sft_lib.SupervisedTrainer(create(CONFIG, seed=0), mesh, 1e-2, 5, remat)
-        program = str(jax.make_jaxpr(trainer._update)(trainer.params, trainer.opt_state,
-                                                      tokens, mask))  # fmt: skip
+        program = str(jax.make_jaxpr(trainer._update)(trainer._trainable, trainer.opt_state,
+                                                      trainer._frozen, tokens, mask))  # fmt: skip
         assert ("remat" in program) == (remat == "full")
         losses = [trainer.step(tokens, mask) for _ in range(3)]
         runs[remat] = (losses, jax.tree.leaves(jax.device_get(trainer.params)))
     np.testing.assert_allclose(runs["full"][0], runs["none"][0], rtol=1e-5)
     for a, b in zip(runs["full"][1], runs["none"][1], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_lora_warm_up_moves_the_adapters_alone_as_adamw_on_the_sequence_loss():
+    """Reference: optax's clipped AdamW on the warm-up's schedule, on `sequence_loss`
+    differentiated with respect to the adapters alone."""
+    tokens, mask = sft_lib.pack_examples([([1, 2, 3], [4, 5]), ([6], [7, 8, 9])], 7, 0)
+    mesh = sharding_lib.make_mesh(jax.devices()[:1], 1, 1)
+    lora = LoRAConfig(rank=2)
+    steps, lr = 4, 1e-2
+    trainer = sft_lib.SupervisedTrainer(create(CONFIG, 0, lora=lora), mesh, lr, steps)
+    fn, params = Functional.of(create(CONFIG, 0, lora=lora))
+    adapters, base = nnx.split_state(params, nnx.LoRAParam, ...)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 1, steps)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.9, 0.98))
+    state = tx.init(adapters)
+    grad = jax.jit(jax.grad(lambda a: sft_lib.sequence_loss(fn, nnx.merge_state(base, a),
+                                                             tokens, mask)))  # fmt: skip
+    for _ in range(steps):
+        trainer.step(tokens, mask)
+        updates, state = tx.update(grad(adapters), state, adapters)
+        adapters = optax.apply_updates(adapters, updates)
+    got = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(trainer.params)}
+    for key, value in nnx.to_flat_state(base):
+        np.testing.assert_array_equal(got[key], np.asarray(value[...]))
+    start = dict(nnx.to_flat_state(params))
+    for key, value in nnx.to_flat_state(adapters):
+        np.testing.assert_allclose(got[key], np.asarray(value[...]), rtol=1e-4, atol=1e-6)
+        assert not np.array_equal(got[key], np.asarray(start[key][...]))
