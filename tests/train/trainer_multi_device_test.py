@@ -9,9 +9,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from train_fixtures import random_batch, tiny_model
+from train_fixtures import TINY, random_batch, tiny_model
 
-from dora_jax.models import sharding_lib
+from dora_jax.models import LoRAConfig, create, sharding_lib
 from dora_jax.train import TrainConfig, Trainer, batch_lib, trainer_lib
 
 # Linear first AdamW step (eps >> |g|): parameter changes are proportional to the gradient, so
@@ -33,12 +33,17 @@ def _host(tree):
 
 
 @pytest.mark.parametrize(
-    "micro", [{}, {"micro_batch_size": None, "micro_batch_tokens": 32}], ids=["rows", "tokens"]
-)
-def test_sharded_update_equals_single_device_update(micro):
+    "micro,lora",
+    [({}, None), ({"micro_batch_size": None, "micro_batch_tokens": 32}, None),
+     ({}, LoRAConfig(rank=2))],
+    ids=["rows", "tokens", "lora"],
+)  # fmt: skip
+def test_sharded_update_equals_single_device_update(micro, lora):
     """Also under a token budget: its micro-batches here hold 3, 1, 2 and 2 samples, each padded
-    with empty rows to 4, one row per fsdp device."""
+    with empty rows to 4, one row per fsdp device. And for LoRA adapters, whose A shards as its
+    kernel's input axis and B as its output axis."""
     config = dataclasses.replace(CONFIG, **micro)
+    model = lambda: create(TINY, 0, lora=lora)
     batch = random_batch(np.random.RandomState(0), 2, 4, max_response=12)
     if config.micro_batch_tokens:
         cut = [
@@ -52,11 +57,11 @@ def test_sharded_update_equals_single_device_update(micro):
         assert [(int((mb.rows >= 0).sum()), mb.tokens.shape) for mb in cut] == [
             (3, (4, 8)), (1, (4, 16)), (2, (4, 16)), (2, (4, 16))
         ]  # fmt: skip
-    single = Trainer(tiny_model(), config, sharding_lib.make_mesh(jax.devices()[:1], 1, 1))
+    single = Trainer(model(), config, sharding_lib.make_mesh(jax.devices()[:1], 1, 1))
     for t, lp in zip(batch, single.logprobs(batch), strict=True):
         t.behaviour_logprobs = lp - 0.05
     mesh = sharding_lib.make_mesh(jax.devices(), 4, 2)
-    sharded = Trainer(tiny_model(), config, mesh)
+    sharded = Trainer(model(), config, mesh)
     before = _host(single.params)
     m1, m8 = single.step(batch), sharded.step(batch)
     for key in ("loss", "ratio_mean", "entropy", "grad_norm"):
@@ -65,12 +70,15 @@ def test_sharded_update_equals_single_device_update(micro):
         np.testing.assert_allclose(a8 - b, a1 - b, rtol=1e-3, atol=1e-6)
 
     # Params and the optimizer's moments stay sharded by the model's rules after the update.
-    want = jax.tree.leaves(sharding_lib.param_shardings(sharded.params, mesh))
+    shardings = sharding_lib.param_shardings(sharded.params, mesh)
+    want = jax.tree.leaves(shardings)
     assert any(any(axis is not None for axis in w.spec) for w in want), "nothing was sharded"
+    for x, w in zip(jax.tree.leaves(sharded.params), want, strict=True):
+        assert x.sharding.is_equivalent_to(w, x.ndim), (x.sharding, w)
     mu = optax.tree_utils.tree_get(sharded.state["opt_state"], "mu")
-    for tree in (sharded.params, mu):
-        for x, w in zip(jax.tree.leaves(tree), want, strict=True):
-            assert x.sharding.is_equivalent_to(w, x.ndim), (x.sharding, w)
+    trained = nnx.filter_state(shardings, nnx.LoRAParam if lora else nnx.Param)
+    for x, w in zip(jax.tree.leaves(mu), jax.tree.leaves(trained), strict=True):
+        assert x.sharding.is_equivalent_to(w, x.ndim), (x.sharding, w)
 
 
 def test_publish_moves_params_to_a_generation_mesh():
