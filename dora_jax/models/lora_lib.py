@@ -38,6 +38,8 @@ class LoRAConfig:
     targets: tuple[str, ...] = TARGETS
 
     def __post_init__(self) -> None:
+        # A tuple, whatever was passed: the config is part of the model's (hashed) graph.
+        object.__setattr__(self, "targets", tuple(self.targets))
         if self.rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
         unknown = sorted(set(self.targets) - set(TARGETS))
@@ -56,14 +58,10 @@ def init_a(key: jax.Array, din: int, rank: int, dtype: Any) -> jax.Array:
     return jax.random.uniform(key, (din, rank), jnp.float32, -bound, bound).astype(dtype)
 
 
-def trainable_filter(params: nnx.State) -> Any:
-    """What the trainer updates in `params`: the adapters where the model has any, else every
-    param (full fine-tuning)."""
-    has_adapters = any(
-        isinstance(v, nnx.LoRAParam)
-        for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    )
-    return nnx.LoRAParam if has_adapters else nnx.Param
+def trainable_filter(model: nnx.Module) -> Any:
+    """What the trainer updates in `model`: its adapters when it was built with `lora`, else
+    every param (full fine-tuning)."""
+    return nnx.LoRAParam if getattr(model, "lora", None) is not None else nnx.Param
 
 
 def merged_kernel(kernel: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:

@@ -370,6 +370,12 @@ class Transformer(nnx.Module):
         lora: lora_lib.LoRAConfig | None = None,
     ):
         c = config
+        mlp_only = lora is not None and set(lora.targets) <= {"gate_proj", "up_proj", "down_proj"}
+        if mlp_only and all(c.is_moe_layer(i) for i in range(c.num_layers)):
+            raise ValueError(
+                f"LoRA targets {list(lora.targets)} are MLP projections, and every layer of "
+                "this model is MoE, whose experts keep no adapters: LoRA would train nothing"
+            )
         self.config = c
         self.dtype = dtype
         self.lora = lora
@@ -444,10 +450,14 @@ def _layer_without_cache(
     return out, load
 
 
+# The adapters' stream: the default stream's draw number _LORA_STREAM, one no model reaches.
+_LORA_STREAM = 0x4C6F5241
+
+
 def _rngs(seed: int) -> nnx.Rngs:
     # Adapters draw from a stream of their own: the base weights of a seed are the same with
     # and without them.
-    return nnx.Rngs(seed, lora=jax.random.fold_in(jax.random.key(seed), 1))
+    return nnx.Rngs(seed, lora=jax.random.fold_in(jax.random.key(seed), _LORA_STREAM))
 
 
 def create(config: ModelConfig, seed: int = 0, **kwargs: Any) -> Transformer:

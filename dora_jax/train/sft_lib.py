@@ -68,7 +68,7 @@ class SupervisedTrainer:
         self.fn, params = Functional.of(sharding_lib.shard_model(model, mesh))
         self.remat = remat
         self._trainable, self._frozen = nnx.split_state(
-            params, lora_lib.trainable_filter(params), ...
+            params, lora_lib.trainable_filter(model), ...
         )
         warmup = max(1, steps // 10)
         schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, 2))

@@ -98,14 +98,6 @@ def publish_from_host(
     return Published(params, version, {**metrics, "publish_seconds": time.perf_counter() - start})
 
 
-class _Reference(NamedTuple):
-    """The frozen policy of the KL penalty, on the training mesh."""
-
-    fn: Functional
-    params: Any
-    shardings: Any
-
-
 class Trainer:
     """Holds the policy's params and optimizer state on `mesh` and updates them."""
 
@@ -124,31 +116,35 @@ class Trainer:
         self.mesh = mesh
         self._fn, params = Functional.of(model)
         self._shardings = sharding_lib.param_shardings(params, mesh)
-        self._params = transfer_lib.put(params, self._shardings, copy=True).tree
-        # What the optimizer updates: a LoRA model's adapters, else every param. Gradients and
-        # optimizer state exist for those alone; the rest stays bit for bit as loaded.
-        self._trainable = lora_lib.trainable_filter(params)
-        trainable, _ = self._split(self._params)
+        # The params in two parts: `_train`, what the optimizer updates (a LoRA model's
+        # adapters, else every param), and `_base`, the rest (empty without LoRA), which stays
+        # bit for bit as loaded. Gradients and optimizer state exist for `_train` alone.
+        self._trainable = lora_lib.trainable_filter(model)
+        self._train, self._base = self._split(
+            transfer_lib.put(params, self._shardings, copy=True).tree
+        )
         trainable_shardings = nnx.filter_state(self._shardings, self._trainable)
+        self._trainable_shardings = trainable_shardings
         self._tx = optimizer_lib.make(config)
         self._schedule = optimizer_lib.schedule(config)
         replicated = NamedSharding(mesh, PartitionSpec())
         self._opt_shardings = optax.tree_map_params(
             self._tx,
             lambda _, sharding: sharding,
-            jax.eval_shape(self._tx.init, trainable),
+            jax.eval_shape(self._tx.init, self._train),
             trainable_shardings,
             transform_non_params=lambda _: replicated,
         )
-        self._opt_state = jax.jit(self._tx.init, out_shardings=self._opt_shardings)(trainable)
+        self._opt_state = jax.jit(self._tx.init, out_shardings=self._opt_shardings)(self._train)
         self._flat_shardings = tuple(jax.tree.leaves(trainable_shardings))
         self._flat_opt_shardings = tuple(jax.tree.leaves(self._opt_shardings))
-        self._ref: _Reference | None = None
+        # The KL penalty's frozen policy and TIS's past versions copy their trainable part
+        # alone: a LoRA model's base never changes, so they share the policy's arrays (no
+        # copy of the base per reference or past version; `_on_base`).
+        self._reference: Any | None = None
         if reference_model is not None and config.kl_coef > 0:
-            ref_fn, ref_params = Functional.of(reference_model)
-            ref_shardings = sharding_lib.param_shardings(ref_params, mesh)
-            reference = transfer_lib.put(ref_params, ref_shardings, copy=True).tree
-            self._ref = _Reference(ref_fn, reference, ref_shardings)
+            reference = _same_base(params, Functional.of(reference_model)[1], self._trainable)
+            self._reference = self._on_base(reference)
         self._version = 0
         self._skipped = 0
         self._skipped_in_a_row = 0  # steps in a row whose every update was skipped
@@ -156,7 +152,7 @@ class Trainer:
         # Past versions' params, for the training-side behaviour log-probs of TIS.
         self._history: dict[int, Any] = {}
         if config.tis_cap is not None:
-            self._history[0] = self._copy(self._params)
+            self._history[0] = self._on_base(self._train)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -168,23 +164,25 @@ class Trainer:
     @property
     def params(self) -> Any:
         """The current params; valid until the next `step` (its buffers are donated)."""
-        return self._params
+        return nnx.merge_state(self._base, self._train)
 
     @property
     def state(self) -> dict[str, Any]:
         """Everything a checkpoint needs (a plain pytree for orbax). With a KL penalty that
         includes the reference policy's params: a resumed run must keep the reference it
-        started with, which may not be recomputable (it is often the policy after a warm-up)."""
+        started with, which may not be recomputable (it is often the policy after a warm-up).
+        The reference and TIS's past versions are saved as their trainable part: a LoRA
+        model's adapters (the base is the policy's), else all the params."""
         state = {
-            "params": self._params,
+            "params": self.params,
             "opt_state": self._opt_state,
             "version": self._version,
             "skipped_updates": self._skipped,
             "skipped_in_a_row": self._skipped_in_a_row,
             "optimizer_steps": self._optimizer_steps,
         }
-        if self._ref is not None:
-            state["reference"] = self._ref.params
+        if self._reference is not None:
+            state["reference"] = self._split(self._reference)[0]
         if self.config.tis_cap is not None:
             # TIS recomputes behaviour log-probs under each sample's own version, and a resumed
             # run's queue holds samples up to max_staleness versions old, so their params are
@@ -192,31 +190,33 @@ class Trainer:
             # the structure a fresh trainer gives), bit i of `tis_kept` saying whether entry i
             # holds its version (none before version 0; the current params stand in).
             old = self._tis_versions()
-            state["tis_history"] = tuple(self._history.get(v, self._params) for v in old)
+            kept = [self._split(self._history[v])[0] if v in self._history else self._train
+                    for v in old]  # fmt: skip
+            state["tis_history"] = tuple(kept)
             state["tis_kept"] = sum(1 << i for i, v in enumerate(old) if v in self._history)
         return state
 
     def restore(self, state: dict[str, Any]) -> None:
         """Loads a `state` (e.g. from orbax) onto the training mesh's shardings."""
-        self._params = transfer_lib.put(state["params"], self._shardings, copy=True).tree
+        params = transfer_lib.put(state["params"], self._shardings, copy=True).tree
+        self._train, self._base = self._split(params)
         self._opt_state = transfer_lib.put(state["opt_state"], self._opt_shardings, copy=True).tree
-        if self._ref is not None:
+        if self._reference is not None:
             if "reference" not in state:
                 raise ValueError("train.kl_coef > 0, but the state to restore has no reference")
-            reference = transfer_lib.put(state["reference"], self._ref.shardings, copy=True).tree
-            self._ref = self._ref._replace(params=reference)
+            self._reference = self._on_base(state["reference"])
         self._version = int(state["version"])
         self._skipped = int(state["skipped_updates"])
         self._skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
         self._optimizer_steps = int(state["optimizer_steps"])
         if self.config.tis_cap is not None:
-            self._history = {self._version: self._copy(self._params)}
+            self._history = {self._version: self._on_base(self._train)}
             kept = int(state.get("tis_kept", 0))
             for i, (v, params) in enumerate(
                 zip(self._tis_versions(), state.get("tis_history", ()), strict=False)
             ):
                 if kept >> i & 1:
-                    self._history[v] = transfer_lib.put(params, self._shardings, copy=True).tree
+                    self._history[v] = self._on_base(params)
 
     def _tis_versions(self) -> list[int]:
         """The past versions whose params TIS keeps: v - max_staleness .. v - 1."""
@@ -230,7 +230,7 @@ class Trainer:
             trajectories, np.arange(n), self.config.length_buckets, False, size=n
         )
         (placed,) = self._place([mb], [()])
-        logp = np.asarray(_logprobs(self._fn, self._params, *placed[:3]))
+        logp = np.asarray(_logprobs(self._fn, self.params, *placed[:3]))
         out = [np.empty(0, np.float32)] * n
         for i, r in enumerate(mb.rows):
             p, t = len(trajectories[r].prompt_tokens), len(trajectories[r].response_tokens)
@@ -289,13 +289,12 @@ class Trainer:
                 ]
             )
         micro_sums, losses, grad_norms, oks = [], [], [], []
-        frozen_leaves, frozen_def = jax.tree.flatten(self._split(self._params)[1])
+        frozen_leaves, frozen_def = jax.tree.flatten(self._base)
         for _ in range(cfg.epochs):
             for inputs_of_mini in minis:
                 # Params and the gradient go into the micro-steps as flat tuples of leaves: a
                 # tuple flattens in C++, the params' nnx.State in Python (~0.1 ms a call).
-                trainable = self._split(self._params)[0]
-                leaves, treedef = jax.tree.flatten(trainable)
+                leaves, treedef = jax.tree.flatten(self._train)
                 param_leaves = tuple(leaves)
                 grads, mini_loss = _zero_grads(self._flat_shardings, param_leaves)
                 for inputs in inputs_of_mini:
@@ -311,16 +310,15 @@ class Trainer:
                         inputs,
                     )
                     micro_sums.append(micro)
-                trainable, self._opt_state, loss, grad_norm, ok = _apply(
+                self._train, self._opt_state, loss, grad_norm, ok = _apply(
                     cfg,
                     self._flat_shardings,
                     self._flat_opt_shardings,
-                    trainable,
+                    self._train,
                     self._opt_state,
                     jax.tree.unflatten(treedef, grads),
                     mini_loss,
                 )
-                self._params = nnx.merge_state(self._params, trainable)
                 losses.append(loss)
                 grad_norms.append(grad_norm)
                 oks.append(ok)
@@ -390,14 +388,14 @@ class Trainer:
         or on the training mesh when None, in `dtype` (None: float32, as trained; a bfloat16
         engine's copy is cast here, before it moves)."""
         moved = transfer_lib.put(
-            self._params,
+            self.params,
             self._shardings if target_shardings is None else target_shardings,
             copy=True,
             dtype=dtype,
         )
         self._version += 1
         if self.config.tis_cap is not None:
-            self._history[self._version] = self._copy(self._params)
+            self._history[self._version] = self._on_base(self._train)
             oldest = self._version - self.config.max_staleness
             self._history = {v: p for v, p in self._history.items() if v >= oldest}
         return Published(
@@ -408,8 +406,11 @@ class Trainer:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _copy(self, params: Any) -> Any:
-        return transfer_lib.put(params, self._shardings, copy=True).tree
+    def _on_base(self, trainable: Any) -> Any:
+        """Whole params: a copy of `trainable` (the reference's, a past version's) on the
+        mesh, where no update's donation reaches it, on the policy's frozen base."""
+        copied = transfer_lib.put(trainable, self._trainable_shardings, copy=True).tree
+        return nnx.merge_state(self._base, copied)
 
     def _split(self, params: Any) -> tuple[Any, Any]:
         """`params` as (trainable, frozen) states; frozen is empty without adapters."""
@@ -448,10 +449,8 @@ class Trainer:
             "ref_logp": None,
             "train_behaviour_logp": None,
         }
-        if self._ref is not None:
-            inputs["ref_logp"] = _logprobs(
-                self._ref.fn, self._ref.params, tokens, positions, targets
-            )
+        if self._reference is not None:
+            inputs["ref_logp"] = _logprobs(self._fn, self._reference, tokens, positions, targets)
         if self.config.tis_cap is not None:
             versions = np.asarray([samples[r].version for r in mb.samples])
             train_logp = jnp.zeros(mask.shape, jnp.float32)
@@ -462,6 +461,20 @@ class Trainer:
                 train_logp = jnp.where(jnp.asarray(versions == v)[:, None], logp_v, train_logp)
             inputs["train_behaviour_logp"] = train_logp
         return inputs
+
+
+def _same_base(params: Any, reference: Any, trainable_filter: Any) -> Any:
+    """The trainable part of the KL `reference`, which must have the policy's structure and,
+    with LoRA, its base (its adapters alone are kept; the policy's base stands in)."""
+    if jax.tree.structure(reference) != jax.tree.structure(params):
+        raise ValueError("reference_model must have the policy's architecture and adapters")
+    (_, base), (ref_trainable, ref_base) = (
+        nnx.split_state(p, trainable_filter, ...) for p in (params, reference)
+    )
+    for ours, theirs in zip(jax.tree.leaves(base), jax.tree.leaves(ref_base), strict=True):
+        if ours is not theirs and not np.array_equal(*jax.device_get((ours, theirs))):
+            raise ValueError("a LoRA policy's reference_model must share its base weights")
+    return ref_trainable
 
 
 # The jitted functions are module-level with the model's graph, the (frozen) config and the

@@ -118,3 +118,14 @@ def test_loaded_adapters_are_those_a_random_init_of_the_seed_gives(tmp_path):
 def test_bad_lora_configs_are_refused(kwargs, named):
     with pytest.raises(ValueError, match=named):
         LoRAConfig(**kwargs)
+
+
+def test_adapters_that_would_train_nothing_are_refused():
+    """Every layer MoE and only MLP projections targeted: experts keep no adapters, and the
+    trainer would fall back to full fine-tuning without a word."""
+    moe = ModelConfig(architecture="Qwen3MoeForCausalLM", num_experts=4, moe_intermediate_size=8)
+    with pytest.raises(ValueError, match="LoRA would train nothing"):
+        create(moe, lora=LoRAConfig(rank=2, targets=("gate_proj", "up_proj")))
+    adapted = create(moe, lora=LoRAConfig(rank=2, targets=["v_proj", "down_proj"]))
+    assert len(nnx.state(adapted, nnx.LoRAParam)["layers"][0]["self_attn"]) == 1
+    hash(nnx.graphdef(adapted))  # targets given as a list still hash, as a static jit argument

@@ -370,6 +370,49 @@ def test_the_kl_reference_travels_with_the_state():
         resumed.restore(saved)
 
 
+def test_a_lora_reference_and_tis_versions_keep_their_adapters_on_the_policys_base():
+    """With LoRA the KL reference and TIS's past versions hold adapters alone, the policy's
+    base standing in: the KL is that of the whole reference model (numpy's k3 over log-probs of
+    a plain forward), and a reference on another base is refused."""
+    lora = LoRAConfig(rank=2)
+    config = dataclasses.replace(BASE, kl_coef=0.1, tis_cap=2.0, max_staleness=1)
+    reference = create(TINY, 0, lora=lora)
+    ref_fn, ref_params = Functional.of(reference)
+    flat = dict(nnx.to_flat_state(ref_params))
+    rng = np.random.RandomState(13)
+    for key, v in flat.items():
+        if key[-1] == "lora_b":  # adapters of their own: the reference is not the policy
+            flat[key] = v.replace(jnp.asarray(rng.normal(0, 0.5, v.shape), jnp.float32))
+    nnx.update(reference, nnx.from_flat_state(flat))
+    with pytest.raises(ValueError, match="share its base"):
+        Trainer(
+            create(TINY, 0, lora=lora), config, MESH, reference_model=create(TINY, 1, lora=lora)
+        )
+    trainer = Trainer(create(TINY, 0, lora=lora), config, MESH, reference_model=reference)
+    batch = _with_behaviour(trainer, random_batch(rng, 2, 4))
+
+    def logp(fn, params, t):
+        seq = np.concatenate([t.prompt_tokens, t.response_tokens])[None]
+        out = np.asarray(jax.nn.log_softmax(fn.logits(params, seq)[0, :-1]))
+        p = len(t.prompt_tokens)
+        return out[p - 1 + np.arange(len(t.response_tokens)), t.response_tokens]
+
+    fn, policy = Functional.of(create(TINY, 0, lora=lora))
+    log_ratio = np.concatenate([logp(ref_fn, nnx.state(reference), t) - logp(fn, policy, t)
+                                for t in batch])  # fmt: skip
+    want = np.mean(np.exp(log_ratio) - log_ratio - 1)
+    assert want > 1e-3
+    np.testing.assert_allclose(trainer.step(batch)["kl"], want, rtol=1e-4)
+    trainer.publish()
+    state = trainer.state
+    adapters = len(jax.tree.leaves(nnx.state(reference, nnx.LoRAParam)))
+    assert len(jax.tree.leaves(state["reference"])) == adapters
+    assert [len(jax.tree.leaves(v)) for v in state["tis_history"]] == [adapters]
+    for got, want in zip(_host(state["reference"]), _host(nnx.state(reference, nnx.LoRAParam)),
+                         strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got, want)
+
+
 def test_truncated_samples_are_masked_out():
     config = dataclasses.replace(BASE, mask_truncated=True)
     results = []
