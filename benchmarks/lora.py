@@ -1,7 +1,8 @@
-"""What LoRA saves the trainer: device memory it holds and time per step, full fine-tuning vs
-adapters of a few ranks, side by side on the same batches.
+"""What LoRA saves the trainer and costs the engines: device memory the trainer holds, time
+per training step, and time per decode step, full fine-tuning vs adapters of a few ranks, side
+by side in one run.
 
-    taskset -c 0 .venv/bin/python benchmarks/train_lora.py \
+    taskset -c 0 .venv/bin/python benchmarks/lora.py \
         [--ranks 8,32] [--hidden 256] [--layers 4] [--batches 4] [--repeats 3]
 
 The bench's workload (`configs/bench_longtail.py`: TBS, length buckets, log-normal response
@@ -10,6 +11,8 @@ a KL penalty and TIS on (`kl_coef`, `tis_cap`, `max_staleness` 2), the trainer h
 the params: the optimizer's two moments per trained number, a reference policy and two past
 versions; LoRA's share the base. "held MB" sums every array the trainer holds; every setting
 compiles on all batches first, then they take turns, `repeats` rounds over the same batches.
+Engines sample from base + adapters unmerged (the function the trainer differentiates, C1):
+"decode ms" is one step of the bench's slots, all busy, 8 steps per engine call.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np  # noqa: E402
 
 from configs import bench_longtail  # noqa: E402
 from dora_jax import models  # noqa: E402
+from dora_jax.engine import Engine, Request, SamplingParams  # noqa: E402
 from dora_jax.models import sharding_lib  # noqa: E402
 from dora_jax.rollout import bench_lib  # noqa: E402
 from dora_jax.rollout.config_lib import RolloutConfig, train_config  # noqa: E402
@@ -41,6 +45,30 @@ def _held_bytes(trainer: Trainer) -> int:
     """Bytes of the distinct arrays the trainer's state holds (a shared base counts once)."""
     leaves = {id(x): x for x in jax.tree.leaves(trainer.state) if isinstance(x, jax.Array)}
     return sum(x.nbytes for x in leaves.values())
+
+
+def _decode_ms(model: models.Transformer, slots: int, prompt: int, steps: int) -> float:
+    """ms per decode step with every slot busy, 8 steps per engine call."""
+    engine = Engine(
+        model,
+        max_concurrent_decodes=slots,
+        max_prefill_length=prompt,
+        max_decode_length=steps + 16,
+        sampling=SamplingParams(temperature=1.0),
+    )
+    params = engine.load_params()
+    requests = [
+        Request(prompt_tokens=[1] * prompt, max_new_tokens=steps + 16, ignore_eos=True, seed=i)
+        for i in range(slots)
+    ]
+    state, _ = engine.admit(params, engine.init_decode_state(), requests, list(range(slots)))
+    state, results = engine.generate_steps(params, state, 8)  # compiles
+    results.convert_to_numpy()
+    start = time.perf_counter()
+    for _ in range(steps // 8):
+        state, results = engine.generate_steps(params, state, 8)
+        results.convert_to_numpy()
+    return (time.perf_counter() - start) / (steps // 8 * 8) * 1e3
 
 
 def main() -> None:
@@ -94,15 +122,23 @@ def main() -> None:
                 start = time.perf_counter()
                 trainer.step(bench_lib.training_batch(config, lengths, trainer.version))
                 times[name].append(time.perf_counter() - start)
+    decode = {name: [] for name, _ in settings}
+    for _ in range(args.repeats):
+        for name, lora in settings:
+            model = models.create(model_config, seed=0, lora=lora)
+            decode[name].append(_decode_ms(model, config.engine.slots, w.prompt_length, 64))
     params = transfer_lib.tree_nbytes(trainers["full"].params)
     print(
         f"# TBS {tbs}, {args.batches} batches x {args.repeats} rounds; model hidden "
         f"{args.hidden} x {args.layers} layers, {params / 1e6:.1f} MB of float32 params; "
         f"jax {jax.__version__} on {jax.default_backend()}"
     )
-    print("| setting | trained MB | held MB | vs full | step ms (median) | vs full |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    full_held = full_ms = None
+    print(
+        "| setting | trained MB | held MB | vs full | step ms (median) | vs full "
+        "| decode ms (median) | vs full |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    full_held = full_ms = full_decode = None
     for name, lora in settings:
         trainer = trainers[name]
         trained = (
@@ -115,10 +151,11 @@ def main() -> None:
         )
         held = _held_bytes(trainer)
         ms = 1e3 * float(np.median(times[name]))
-        full_held, full_ms = full_held or held, full_ms or ms
+        step = float(np.median(decode[name]))
+        full_held, full_ms, full_decode = full_held or held, full_ms or ms, full_decode or step
         print(
             f"| {name} | {trained / 1e6:.2f} | {held / 1e6:.1f} | {held / full_held:.2f}x | "
-            f"{ms:.1f} | {ms / full_ms:.2f}x |"
+            f"{ms:.1f} | {ms / full_ms:.2f}x | {step:.2f} | {step / full_decode:.2f}x |"
         )
 
 
