@@ -10,6 +10,11 @@ GSM8K, the text after "####"). Sized for one TPU v5e-8 host or an 8-GPU machine:
       --config.model.checkpoint=/data/Qwen3-0.6B \
       --config.data.train_files=/data/gsm8k/train.jsonl \
       --config.data.heldout_files=/data/gsm8k/test.jsonl
+
+A larger checkpoint whose full AdamW state does not fit trains with LoRA instead, e.g.
+`--config.model.lora_rank=64 --config.model.lora_alpha=128 --config.train.learning_rate=1e-5`
+(adapters usually want about 10x full fine-tuning's rate); the exported `hf_policy` is the
+checkpoint with the adapters merged in.
 """
 
 import importlib.util
