@@ -83,10 +83,7 @@ def main() -> None:
     config = bench_longtail.get_config()
     w, tbs = config.workload, config.rollout.train_batch_size
     rng = np.random.default_rng(0)
-    batches = []
-    for _ in range(args.batches):
-        lengths = np.exp(np.log(w.median_length) + w.sigma * rng.standard_normal(tbs))
-        batches.append(np.clip(lengths, 1, w.max_length).astype(int))
+    batches = [bench_lib.response_lengths(config, tbs, rng) for _ in range(args.batches)]
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "mode": "dora"})
     train = config.train.to_dict()
     train.update(kl_coef=0.01, tis_cap=2.0, max_staleness=2)

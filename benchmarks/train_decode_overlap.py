@@ -44,7 +44,8 @@ def main() -> None:
 
     config = bench_longtail.get_config()
     runtime = config.runtime.to_dict()
-    del runtime["generation_hosts"]  # engines in this process: that is what this measures
+    # Engines and trainer in this process, on shared cores: that is what this measures.
+    del runtime["generation_hosts"], runtime["train_cpu_cores"]
     plan = plan_devices(**runtime)
     model_config = models.ModelConfig(**config.model.to_dict())
     engine = bench_lib._engines(config, models.create(model_config, seed=0), plan)[0]
@@ -57,8 +58,7 @@ def main() -> None:
     )
     w = config.workload
     rng = np.random.default_rng(0)
-    lengths = np.exp(np.log(w.median_length) + w.sigma * rng.standard_normal(64))
-    lengths = np.clip(lengths, 1, w.max_length).astype(int)
+    lengths = bench_lib.response_lengths(config, 64, rng)
     request = Request(
         prompt_tokens=np.ones(w.prompt_length, np.int32),
         max_new_tokens=w.max_length,

@@ -44,12 +44,9 @@ def main() -> None:
     args = parser.parse_args()
 
     config = bench_longtail.get_config()
-    w, tbs = config.workload, config.rollout.train_batch_size
+    tbs = config.rollout.train_batch_size
     rng = np.random.default_rng(0)
-    batches = []
-    for _ in range(args.batches):
-        lengths = np.exp(np.log(w.median_length) + w.sigma * rng.standard_normal(tbs))
-        batches.append(np.clip(lengths, 1, w.max_length).astype(int))
+    batches = [bench_lib.response_lengths(config, tbs, rng) for _ in range(args.batches)]
     settings = [("micro_batch_size", int(s)) for s in args.sizes.split(",") if s] + [
         ("micro_batch_tokens", int(b)) for b in args.budgets.split(",") if b
     ]

@@ -58,10 +58,8 @@ def measure(group_size: int, steps: int, micro_batch: int) -> dict[str, float]:
     graphdef, state = nnx.split(model)
     args = (graphdef, jax.device_get(state), 2, micro_batch)
     trainer = MirroredTrainer(group.make(make_trainer, *args)) if group else make_trainer(*args)
-    w = config.workload
     rng = np.random.default_rng(0)
-    lengths = np.exp(np.log(w.median_length) + w.sigma * rng.standard_normal(64))
-    lengths = np.clip(lengths, 1, w.max_length).astype(int)
+    lengths = bench_lib.response_lengths(config, 64, rng)
     step_s, publish_s = [], []
     for i in range(steps + 1):
         batch = bench_lib.training_batch(config, lengths, trainer.version)

@@ -148,6 +148,16 @@ def _powers_of_two(limit: int) -> list[int]:
     return [1 << i for i in range(limit.bit_length())]
 
 
+def response_lengths(
+    config: ml_collections.ConfigDict, count: int, rng: np.random.Generator
+) -> np.ndarray:
+    """`count` response lengths from the workload's heavy-tailed log-normal, in 1 ..
+    `max_length`: the shapes a training step of this workload meets."""
+    w = config.workload
+    lengths = np.exp(np.log(w.median_length) + w.sigma * rng.standard_normal(count))
+    return np.clip(lengths, 1, w.max_length).astype(int)
+
+
 def training_batch(
     config: ml_collections.ConfigDict, lengths: Sequence[int], version: int
 ) -> list[Trajectory]:
