@@ -223,6 +223,11 @@ def test_a_lora_run_trains_adapters_alone_and_exports_them_merged(tmp_path):
             np.testing.assert_array_equal(written[name], np.asarray(weight[...]), err_msg=name)
     assert merged == 3 * model_config.num_layers
     np.testing.assert_array_equal(written["model.embed_tokens.weight"], base.embed_tokens[...])
+    # `dora-jax export` and `eval` restore the LoRA checkpoint onto the adapted model.
+    exported = _tensors(app_lib.export_checkpoint(config, str(tmp_path)))
+    for name, value in written.items():
+        np.testing.assert_array_equal(exported[name], value, err_msg=name)
+    assert app_lib.evaluate_checkpoint(config, str(tmp_path))["version"] == 2
 
 
 def test_stop_strings_end_rollout_and_held_out_responses_at_their_first_match(tmp_path):
