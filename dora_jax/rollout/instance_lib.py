@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
 from dora_jax.engine.request_lib import FinishReason
 from dora_jax.engine.request_lib import Request as EngineRequest
@@ -48,6 +49,7 @@ class RolloutInstance:
         self.slots: list[Request | None] = [None] * engine.max_concurrent_decodes
         self.decode_state = engine.init_decode_state()
         self.healthy = True
+        self._base: Any = None  # a LoRA policy's frozen base, once moved here (`load`)
         self._pending_result: Any = None
         self._pending_prefill: list[Any] = []
         # Slots whose request a stop string ended: the engine decodes on in them until freed.
@@ -76,12 +78,25 @@ class RolloutInstance:
         """Hosts `version`: places its params `state` (the trainer's published copy, or
         another instance's) on this mesh. Returns (seconds, bytes). Dropping the previous
         version's copy frees it.
+
+        A LoRA policy's versions differ in their adapters alone, and its base never changes in
+        a run: an instance in this process moves the base with its first version and keeps it,
+        so every later version moves (and holds a copy of) its adapters only.
         """
         if self.active():
             raise RuntimeError(f"{self.name}: cannot switch versions with requests in its slots")
         self.params = None
-        moved = transfer_lib.put(state, self.engine.param_shardings, dtype=self.engine.param_dtype)
-        self.params = PolicyParams(moved.tree, version=version)
+        target, dtype = self.engine.param_shardings, self.engine.param_dtype
+        if self._base is None:
+            moved = transfer_lib.put(state, target, dtype=dtype)
+            tree = moved.tree
+            if isinstance(target, nnx.State) and nnx.filter_state(target, nnx.LoRAParam):
+                self._base = nnx.filter_state(tree, nnx.Not(nnx.LoRAParam))
+        else:
+            adapters = nnx.filter_state(state, nnx.LoRAParam)
+            moved = transfer_lib.put(adapters, nnx.filter_state(target, nnx.LoRAParam), dtype=dtype)
+            tree = nnx.merge_state(self._base, moved.tree)
+        self.params = PolicyParams(tree, version=version)
         self.version = version
         return moved.seconds, moved.nbytes
 

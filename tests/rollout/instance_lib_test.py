@@ -12,7 +12,7 @@ from tiny_models import DENSE
 
 from dora_jax.engine import Engine, generate_all
 from dora_jax.engine import Request as EngineRequest
-from dora_jax.models import create
+from dora_jax.models import LoRAConfig, create
 from dora_jax.rollout.instance_lib import RolloutInstance
 from dora_jax.rollout.request_lib import PromptSpec, Request
 
@@ -83,6 +83,42 @@ def test_a_stop_string_ends_a_request_mid_call_and_frees_its_slot_for_the_next()
     x.dispatch_generate(8)
     assert x.collect()[0] == [nxt]
     assert nxt.tokens == alone.tokens.tolist()
+
+
+def test_a_lora_instance_moves_its_base_once_then_each_versions_adapters():
+    """A LoRA version differs from the last in its adapters alone: after the first version an
+    instance moves only those, and decodes what an engine holding the whole version does."""
+    model = create(DENSE, seed=0, lora=LoRAConfig(rank=2))
+    settings = dict(max_concurrent_decodes=2, max_prefill_length=16, max_decode_length=8)
+    x = RolloutInstance(0, Engine(model, **settings))
+    v0 = x.engine.load_params(0).state
+    _, first = x.load(0, v0)
+    assert first == sum(a.nbytes for a in jax.tree.leaves(v0))
+    rng = np.random.RandomState(0)
+    flat = dict(nnx.to_flat_state(v0))
+    for key, variable in flat.items():
+        if key[-1] == "lora_b":  # a trained version's adapters
+            flat[key] = variable.replace(jnp.asarray(rng.normal(0, 1, variable.shape), jnp.float32))
+    v1 = nnx.from_flat_state(flat)
+    _, later = x.load(1, v1)
+    assert later == sum(a.nbytes for a in jax.tree.leaves(nnx.filter_state(v1, nnx.LoRAParam)))
+    assert later < first / 5
+
+    whole = Engine(create(DENSE, seed=0, lora=LoRAConfig(rank=2)), **settings)
+    spec = PromptSpec(0, np.asarray([3, 7, 11], np.int32), (8,), ignore_eos=True)
+    request = Request(spec, sample_index=0, seed=21, version=1)
+    (alone,) = generate_all(whole, whole.shard_params(v1, 1), [
+        EngineRequest(spec.tokens, max_new_tokens=8, ignore_eos=True, seed=request.prefill_seed())
+    ])  # fmt: skip
+    x.dispatch_prefill([(request, 0)])
+    x.dispatch_generate(8)
+    assert x.collect()[0] == [request]
+    assert request.tokens == alone.tokens.tolist()
+    np.testing.assert_allclose(request.logprobs, alone.logprobs, atol=1e-5)
+    (base_only,) = generate_all(whole, whole.shard_params(v0, 0), [
+        EngineRequest(spec.tokens, max_new_tokens=8, ignore_eos=True, seed=request.prefill_seed())
+    ])  # fmt: skip
+    assert base_only.tokens.tolist() != alone.tokens.tolist()  # the adapters matter here
 
 
 def test_a_request_finished_earlier_in_a_read_back_that_fails_comes_back_from_fail():
