@@ -99,7 +99,12 @@ def publish_from_host(
 
 
 class Trainer:
-    """Holds the policy's params and optimizer state on `mesh` and updates them."""
+    """Holds the policy's params and optimizer state on `mesh` and updates them.
+
+    `reference_model` is the KL penalty's policy (`kl_coef` > 0): of the policy's architecture
+    and, for a LoRA policy, on its base (only its adapters are kept; the policy's base arrays
+    stand in). It computes with its own graph (its dtype, its LoRA scale).
+    """
 
     def __init__(
         self,
@@ -141,10 +146,12 @@ class Trainer:
         # The KL penalty's frozen policy and TIS's past versions copy their trainable part
         # alone: a LoRA model's base never changes, so they share the policy's arrays (no
         # copy of the base per reference or past version; `_on_base`).
+        # (target shardings and dtype, the base placed there) of the last `publish`.
+        self._published_base: tuple[Any, Any] | None = None
         self._reference: Any | None = None
         if reference_model is not None and config.kl_coef > 0:
-            reference = _same_base(params, Functional.of(reference_model)[1], self._trainable)
-            self._reference = self._on_base(reference)
+            self._reference_fn, reference = Functional.of(reference_model)
+            self._reference = self._on_base(_same_base(params, reference, self._trainable))
         self._version = 0
         self._skipped = 0
         self._skipped_in_a_row = 0  # steps in a row whose every update was skipped
@@ -198,12 +205,13 @@ class Trainer:
 
     def restore(self, state: dict[str, Any]) -> None:
         """Loads a `state` (e.g. from orbax) onto the training mesh's shardings."""
+        if self._reference is not None and "reference" not in state:
+            raise ValueError("train.kl_coef > 0, but the state to restore has no reference")
         params = transfer_lib.put(state["params"], self._shardings, copy=True).tree
         self._train, self._base = self._split(params)
+        self._published_base = None  # placed from the base this replaces
         self._opt_state = transfer_lib.put(state["opt_state"], self._opt_shardings, copy=True).tree
         if self._reference is not None:
-            if "reference" not in state:
-                raise ValueError("train.kl_coef > 0, but the state to restore has no reference")
             self._reference = self._on_base(state["reference"])
         self._version = int(state["version"])
         self._skipped = int(state["skipped_updates"])
@@ -386,22 +394,29 @@ class Trainer:
         """Ends the iteration: version v -> v + 1; returns a copy of the params placed on
         `target_shardings` (e.g. `sharding_lib.param_shardings(trainer.params, gen_mesh)`),
         or on the training mesh when None, in `dtype` (None: float32, as trained; a bfloat16
-        engine's copy is cast here, before it moves)."""
-        moved = transfer_lib.put(
-            self.params,
-            self._shardings if target_shardings is None else target_shardings,
-            copy=True,
-            dtype=dtype,
-        )
+        engine's copy is cast here, before it moves).
+
+        A LoRA policy's base is copied to a target once (while the target and dtype stay the
+        same) and shared by every later version, which copies its adapters alone: its
+        `publish_bytes` are the adapters'."""
+        target = self._shardings if target_shardings is None else target_shardings
+        train_target, base_target = self._split(target)
+        moved = transfer_lib.put(self._train, train_target, copy=True, dtype=dtype)
+        seconds, nbytes = moved.seconds, moved.nbytes
+        key = (tuple(jax.tree.leaves(base_target)), None if dtype is None else np.dtype(dtype))
+        if self._published_base is None or self._published_base[0] != key:
+            base = transfer_lib.put(self._base, base_target, copy=True, dtype=dtype)
+            self._published_base = (key, base.tree)
+            seconds, nbytes = seconds + base.seconds, nbytes + base.nbytes
         self._version += 1
         if self.config.tis_cap is not None:
             self._history[self._version] = self._on_base(self._train)
             oldest = self._version - self.config.max_staleness
             self._history = {v: p for v, p in self._history.items() if v >= oldest}
         return Published(
-            moved.tree,
+            nnx.merge_state(self._published_base[1], moved.tree),
             self._version,
-            {"publish_seconds": moved.seconds, "publish_bytes": float(moved.nbytes)},
+            {"publish_seconds": seconds, "publish_bytes": float(nbytes)},
         )
 
     # -- internals --------------------------------------------------------------------------
@@ -450,7 +465,9 @@ class Trainer:
             "train_behaviour_logp": None,
         }
         if self._reference is not None:
-            inputs["ref_logp"] = _logprobs(self._fn, self._reference, tokens, positions, targets)
+            inputs["ref_logp"] = _logprobs(
+                self._reference_fn, self._reference, tokens, positions, targets
+            )
         if self.config.tis_cap is not None:
             versions = np.asarray([samples[r].version for r in mb.samples])
             train_logp = jnp.zeros(mask.shape, jnp.float32)

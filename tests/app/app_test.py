@@ -13,6 +13,7 @@ import sys
 import threading
 
 import app_rewards
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -179,20 +180,22 @@ def test_partial_runs_through_the_app_re_prefilling_past_the_prompt_limit(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_lora_run_trains_adapters_alone_and_exports_them_merged(tmp_path):
-    """`model.lora_rank` end to end, its engines in generation hosts of their own: the warm-up
-    and RL move the adapters alone (the exported policy is the seed's base weights plus the
-    checkpoint's adapters merged, in numpy), and the run keeps C1-C3."""
+@pytest.mark.parametrize("hosts", ["", "local"], ids=["in_process", "generation_hosts"])
+def test_a_lora_run_trains_adapters_alone_and_exports_them_merged(tmp_path, hosts):
+    """`model.lora_rank` end to end, its engines in this process or in generation hosts of
+    their own: the warm-up and RL move the adapters alone (the exported policy is the seed's
+    base weights plus the checkpoint's adapters merged, in numpy), the run keeps C1-C3, and
+    in this process a weight move after an instance's first carries the adapters alone."""
     config = default.get_config()
     config.model.update(lora_rank=4, lora_alpha=8.0, lora_targets="q_proj,v_proj,down_proj")
-    config.rollout.update(num_iterations=2, train_batch_size=8, rollout_batch_size=16,
+    config.rollout.update(num_iterations=4, train_batch_size=8, rollout_batch_size=16,
                           group_size=4)  # fmt: skip
     config.sft.steps = 3
     config.train.learning_rate = 1e-3
     config.engine.slots = 4
     config.eval.update(num_prompts=4, samples_per_prompt=1)
     config.checkpoint.every = 2
-    config.runtime.generation_hosts = "local"
+    config.runtime.generation_hosts = hosts
     app_lib.train_and_evaluate(config, str(tmp_path), progress=False)
     assert all(audit_lib.audit(str(tmp_path)).rules.values())
 
@@ -204,7 +207,7 @@ def test_a_lora_run_trains_adapters_alone_and_exports_them_merged(tmp_path):
     _, like = models.Functional.of(models.create(model_config, seed=config.seed, lora=lora))
     checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
     trained = {k: np.asarray(v[...]) for k, v in
-               nnx.to_flat_state(checkpointer.restore_params(2, like))}  # fmt: skip
+               nnx.to_flat_state(checkpointer.restore_params(4, like))}  # fmt: skip
     checkpointer.close()
     written = _tensors(tmp_path / "hf_policy")
     merged = 0
@@ -223,11 +226,20 @@ def test_a_lora_run_trains_adapters_alone_and_exports_them_merged(tmp_path):
             np.testing.assert_array_equal(written[name], np.asarray(weight[...]), err_msg=name)
     assert merged == 3 * model_config.num_layers
     np.testing.assert_array_equal(written["model.embed_tokens.weight"], base.embed_tokens[...])
+    if not hosts:
+        with open(tmp_path / "metrics.jsonl") as f:
+            records = [json.loads(line) for line in f]
+        moves = sum(r.get("weight_moves", 0) for r in records)
+        moved = sum(r.get("weight_move_bytes", 0) for r in records)
+        whole = sum(x.nbytes for x in jax.tree.leaves(like))
+        adapters = sum(x.nbytes for x in jax.tree.leaves(nnx.filter_state(like, nnx.LoRAParam)))
+        first = config.runtime.num_instances
+        assert moves > first and moved == first * whole + (moves - first) * adapters
     # `dora-jax export` and `eval` restore the LoRA checkpoint onto the adapted model.
     exported = _tensors(app_lib.export_checkpoint(config, str(tmp_path)))
     for name, value in written.items():
         np.testing.assert_array_equal(exported[name], value, err_msg=name)
-    assert app_lib.evaluate_checkpoint(config, str(tmp_path))["version"] == 2
+    assert app_lib.evaluate_checkpoint(config, str(tmp_path))["version"] == 4
 
 
 def test_stop_strings_end_rollout_and_held_out_responses_at_their_first_match(tmp_path):

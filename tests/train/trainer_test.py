@@ -305,6 +305,31 @@ def test_publish_places_a_copy_on_the_target_mesh():
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_lora_policy_publishes_its_base_once_per_target_then_adapters_alone():
+    lora = LoRAConfig(rank=2)
+    trainer = Trainer(create(TINY, 0, lora=lora), BASE, MESH)
+    target = sharding_lib.param_shardings(
+        trainer.params, sharding_lib.make_mesh(jax.devices()[2:4], 1, 2)
+    )
+    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(trainer.params, nnx.LoRAParam)))
+    first = trainer.publish(target)
+    assert first.metrics["publish_bytes"] == sum(x.nbytes for x in jax.tree.leaves(first.params))
+    trainer.step(_with_behaviour(trainer, random_batch(np.random.RandomState(8), 2, 4)))
+    second = trainer.publish(target)
+    assert second.metrics["publish_bytes"] == adapter_bytes
+    for a, b in zip(_host(second.params), _host(trainer.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    base = lambda p: jax.tree.leaves(nnx.filter_state(p, nnx.Not(nnx.LoRAParam)))
+    assert all(a is b for a, b in zip(base(first.params), base(second.params), strict=True))
+    assert any(not np.array_equal(a, b) for a, b in
+               zip(_host(first.params), _host(second.params), strict=True))  # fmt: skip
+    # Another dtype is another copy of the base.
+    rounded = trainer.publish(target, dtype=jnp.bfloat16)
+    assert rounded.metrics["publish_bytes"] == sum(
+        x.nbytes for x in jax.tree.leaves(rounded.params)
+    )
+
+
 def test_a_bfloat16_publish_is_the_params_rounded_and_half_the_bytes():
     """A bfloat16 engine's copy is cast on the training mesh, before it moves; the trainer keeps
     its float32 master weights."""
@@ -376,12 +401,13 @@ def test_a_lora_reference_and_tis_versions_keep_their_adapters_on_the_policys_ba
     a plain forward), and a reference on another base is refused."""
     lora = LoRAConfig(rank=2)
     config = dataclasses.replace(BASE, kl_coef=0.1, tis_cap=2.0, max_staleness=1)
-    reference = create(TINY, 0, lora=lora)
+    # Adapters of its own, at a scale of its own (alpha 64 against the policy's 16).
+    reference = create(TINY, 0, lora=dataclasses.replace(lora, alpha=64.0))
     ref_fn, ref_params = Functional.of(reference)
     flat = dict(nnx.to_flat_state(ref_params))
     rng = np.random.RandomState(13)
     for key, v in flat.items():
-        if key[-1] == "lora_b":  # adapters of their own: the reference is not the policy
+        if key[-1] == "lora_b":
             flat[key] = v.replace(jnp.asarray(rng.normal(0, 0.5, v.shape), jnp.float32))
     nnx.update(reference, nnx.from_flat_state(flat))
     with pytest.raises(ValueError, match="share its base"):
