@@ -143,11 +143,11 @@ class Trainer:
         self._opt_state = jax.jit(self._tx.init, out_shardings=self._opt_shardings)(self._train)
         self._flat_shardings = tuple(jax.tree.leaves(trainable_shardings))
         self._flat_opt_shardings = tuple(jax.tree.leaves(self._opt_shardings))
+        # (target shardings and dtype, the base placed there) of the last `publish`.
+        self._published_base: tuple[Any, Any] | None = None
         # The KL penalty's frozen policy and TIS's past versions copy their trainable part
         # alone: a LoRA model's base never changes, so they share the policy's arrays (no
         # copy of the base per reference or past version; `_on_base`).
-        # (target shardings and dtype, the base placed there) of the last `publish`.
-        self._published_base: tuple[Any, Any] | None = None
         self._reference: Any | None = None
         if reference_model is not None and config.kl_coef > 0:
             self._reference_fn, reference = Functional.of(reference_model)
