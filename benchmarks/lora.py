@@ -9,10 +9,8 @@ The bench's workload (`configs/bench_longtail.py`: TBS, length buckets, log-norm
 lengths) on a wider model than its own, where adapters are a small share of the weights. With
 a KL penalty and TIS on (`kl_coef`, `tis_cap`, `max_staleness` 2), the trainer holds, besides
 the params: the optimizer's two moments per trained number, a reference policy and two past
-versions; LoRA's share the base. "held MB" sums every array the trainer holds; "publish MB" is
-what a version's publish copies after the first (LoRA: the adapters; instances in one process
-then move as much per version). Every setting compiles on all batches first, then they take
-turns, `repeats` rounds over the same batches.
+versions; LoRA's share the base. "held MB" sums every array the trainer holds; every setting
+compiles on all batches first, then they take turns, `repeats` rounds over the same batches.
 Engines sample from base + adapters unmerged (the function the trainer differentiates, C1):
 "decode ms" is one step of the bench's slots, all busy, 8 steps per engine call.
 """
@@ -106,13 +104,13 @@ def main() -> None:
     settings = [("full", None)] + [
         (f"lora r={r}", models.LoRAConfig(rank=int(r))) for r in args.ranks.split(",") if r
     ]
-    trainers, published = {}, {}
+    trainers = {}
     for name, lora in settings:
         model = models.create(model_config, seed=0, lora=lora)
         trainer = Trainer(model, train, mesh, reference_model=model)
         for lengths in batches:  # compiles every shape this setting meets; fills TIS history
             trainer.step(bench_lib.training_batch(config, lengths, trainer.version))
-            published[name] = trainer.publish().metrics["publish_bytes"]
+            trainer.publish()
         trainers[name] = trainer
     times: dict[str, list[float]] = {name: [] for name, _ in settings}
     for _ in range(args.repeats):
@@ -133,10 +131,10 @@ def main() -> None:
         f"jax {jax.__version__} on {jax.default_backend()}"
     )
     print(
-        "| setting | trained MB | held MB | vs full | publish MB | step ms (median) | vs full "
+        "| setting | trained MB | held MB | vs full | step ms (median) | vs full "
         "| decode ms (median) | vs full |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     full_held = full_ms = full_decode = None
     for name, lora in settings:
         trainer = trainers[name]
@@ -154,8 +152,7 @@ def main() -> None:
         full_held, full_ms, full_decode = full_held or held, full_ms or ms, full_decode or step
         print(
             f"| {name} | {trained / 1e6:.2f} | {held / 1e6:.1f} | {held / full_held:.2f}x | "
-            f"{published[name] / 1e6:.2f} | {ms:.1f} | {ms / full_ms:.2f}x | {step:.2f} | "
-            f"{step / full_decode:.2f}x |"
+            f"{ms:.1f} | {ms / full_ms:.2f}x | {step:.2f} | {step / full_decode:.2f}x |"
         )
 
 

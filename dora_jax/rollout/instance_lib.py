@@ -80,14 +80,15 @@ class RolloutInstance:
         version's copy frees it.
 
         A LoRA policy's versions differ in their adapters alone, and its base never changes in
-        a run: an instance in this process moves the base with its first version and keeps it,
-        so every later version moves (and holds a copy of) its adapters only.
+        a run (a `Rollout` makes its instances after the trainer's restore, and the warm-up
+        before it trains adapters only): an instance in this process keeps the base of its
+        first version, and every later version moves (and holds a copy of) its adapters only.
         """
         if self.active():
             raise RuntimeError(f"{self.name}: cannot switch versions with requests in its slots")
         self.params = None
         target, dtype = self.engine.param_shardings, self.engine.param_dtype
-        if self._base is None:
+        if self._base is None or not isinstance(state, nnx.State):
             moved = transfer_lib.put(state, target, dtype=dtype)
             tree = moved.tree
             if isinstance(target, nnx.State) and nnx.filter_state(target, nnx.LoRAParam):
@@ -251,6 +252,7 @@ class RolloutInstance:
         self._leaving = []
         self.slots = [None] * self.num_slots
         self.unload()
+        self._base = None
         self._pending_result = None
         self._pending_prefill = []
         self._stopped = []

@@ -143,8 +143,6 @@ class Trainer:
         self._opt_state = jax.jit(self._tx.init, out_shardings=self._opt_shardings)(self._train)
         self._flat_shardings = tuple(jax.tree.leaves(trainable_shardings))
         self._flat_opt_shardings = tuple(jax.tree.leaves(self._opt_shardings))
-        # (target shardings and dtype, the base placed there) of the last `publish`.
-        self._published_base: tuple[Any, Any] | None = None
         # The KL penalty's frozen policy and TIS's past versions copy their trainable part
         # alone: a LoRA model's base never changes, so they share the policy's arrays (no
         # copy of the base per reference or past version; `_on_base`).
@@ -209,7 +207,6 @@ class Trainer:
             raise ValueError("train.kl_coef > 0, but the state to restore has no reference")
         params = transfer_lib.put(state["params"], self._shardings, copy=True).tree
         self._train, self._base = self._split(params)
-        self._published_base = None  # placed from the base this replaces
         self._opt_state = transfer_lib.put(state["opt_state"], self._opt_shardings, copy=True).tree
         if self._reference is not None:
             self._reference = self._on_base(state["reference"])
@@ -394,29 +391,22 @@ class Trainer:
         """Ends the iteration: version v -> v + 1; returns a copy of the params placed on
         `target_shardings` (e.g. `sharding_lib.param_shardings(trainer.params, gen_mesh)`),
         or on the training mesh when None, in `dtype` (None: float32, as trained; a bfloat16
-        engine's copy is cast here, before it moves).
-
-        A LoRA policy's base is copied to a target once (while the target and dtype stay the
-        same) and shared by every later version, which copies its adapters alone: its
-        `publish_bytes` are the adapters'."""
-        target = self._shardings if target_shardings is None else target_shardings
-        train_target, base_target = self._split(target)
-        moved = transfer_lib.put(self._train, train_target, copy=True, dtype=dtype)
-        seconds, nbytes = moved.seconds, moved.nbytes
-        key = (tuple(jax.tree.leaves(base_target)), None if dtype is None else np.dtype(dtype))
-        if self._published_base is None or self._published_base[0] != key:
-            base = transfer_lib.put(self._base, base_target, copy=True, dtype=dtype)
-            self._published_base = (key, base.tree)
-            seconds, nbytes = seconds + base.seconds, nbytes + base.nbytes
+        engine's copy is cast here, before it moves)."""
+        moved = transfer_lib.put(
+            self.params,
+            self._shardings if target_shardings is None else target_shardings,
+            copy=True,
+            dtype=dtype,
+        )
         self._version += 1
         if self.config.tis_cap is not None:
             self._history[self._version] = self._on_base(self._train)
             oldest = self._version - self.config.max_staleness
             self._history = {v: p for v, p in self._history.items() if v >= oldest}
         return Published(
-            nnx.merge_state(self._published_base[1], moved.tree),
+            moved.tree,
             self._version,
-            {"publish_seconds": seconds, "publish_bytes": float(nbytes)},
+            {"publish_seconds": moved.seconds, "publish_bytes": float(moved.nbytes)},
         )
 
     # -- internals --------------------------------------------------------------------------

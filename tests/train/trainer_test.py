@@ -305,31 +305,6 @@ def test_publish_places_a_copy_on_the_target_mesh():
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_lora_policy_publishes_its_base_once_per_target_then_adapters_alone():
-    lora = LoRAConfig(rank=2)
-    trainer = Trainer(create(TINY, 0, lora=lora), BASE, MESH)
-    target = sharding_lib.param_shardings(
-        trainer.params, sharding_lib.make_mesh(jax.devices()[2:4], 1, 2)
-    )
-    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(trainer.params, nnx.LoRAParam)))
-    first = trainer.publish(target)
-    assert first.metrics["publish_bytes"] == sum(x.nbytes for x in jax.tree.leaves(first.params))
-    trainer.step(_with_behaviour(trainer, random_batch(np.random.RandomState(8), 2, 4)))
-    second = trainer.publish(target)
-    assert second.metrics["publish_bytes"] == adapter_bytes
-    for a, b in zip(_host(second.params), _host(trainer.params), strict=True):
-        np.testing.assert_array_equal(a, b)
-    base = lambda p: jax.tree.leaves(nnx.filter_state(p, nnx.Not(nnx.LoRAParam)))
-    assert all(a is b for a, b in zip(base(first.params), base(second.params), strict=True))
-    assert any(not np.array_equal(a, b) for a, b in
-               zip(_host(first.params), _host(second.params), strict=True))  # fmt: skip
-    # Another dtype is another copy of the base.
-    rounded = trainer.publish(target, dtype=jnp.bfloat16)
-    assert rounded.metrics["publish_bytes"] == sum(
-        x.nbytes for x in jax.tree.leaves(rounded.params)
-    )
-
-
 def test_a_bfloat16_publish_is_the_params_rounded_and_half_the_bytes():
     """A bfloat16 engine's copy is cast on the training mesh, before it moves; the trainer keeps
     its float32 master weights."""
