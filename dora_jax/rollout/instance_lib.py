@@ -74,6 +74,13 @@ class RolloutInstance:
         """Positions held in the KV cache (prompt + generated) over all busy slots."""
         return sum(len(r.prompt.tokens) + len(r.tokens) for r in self.slots if r is not None)
 
+    @property
+    def base(self) -> Any | None:
+        """A LoRA policy's frozen params as this instance holds them (None before its first
+        version, without LoRA, and on a generation host): the trainer publishes a version
+        staged here as adapters on this base."""
+        return self._base
+
     def load(self, version: int, state: Any) -> tuple[float, int]:
         """Hosts `version`: places its params `state` (the trainer's published copy, or
         another instance's) on this mesh. Returns (seconds, bytes). Dropping the previous

@@ -109,7 +109,7 @@ class Rollout:
         self.telemetry = Telemetry([x.num_slots for x in self.instances], self.trace)
         # Trainer copies of published versions that no instance holds yet (version 0: the
         # initial params, copied before the trainer's first step donates them).
-        shardings, dtype = _staging(self.instances[0])
+        shardings, dtype, _ = _staging(self.instances[0])
         self.staged: dict[int, Any] = {
             0: transfer_lib.put(trainer.params, shardings, copy=True, dtype=dtype).tree
         }
@@ -450,7 +450,7 @@ class Rollout:
         return max(job.handed_tick, self._last_publish_tick) + self.config.publish_delay_steps
 
     def _train_step(
-        self, batch: list[Trajectory], iteration: int, staging: tuple[Any, Any]
+        self, batch: list[Trajectory], iteration: int, staging: tuple[Any, Any, Any]
     ) -> tuple[dict[str, float], float, float, Any]:
         """The trainer's step, then its new version's copy for the instances, back to back on
         the worker while the controller decodes; `_publish` takes the version up later."""
@@ -500,6 +500,7 @@ class Rollout:
             trained_tokens=float(tokens),
             trained_tokens_per_s=tokens / max(interval, 1e-12),
             publish_s=published.metrics.get("publish_seconds", 0.0),
+            publish_bytes=published.metrics.get("publish_bytes", 0.0),
         )
         self.metrics.append(m)
         if self.on_iteration is not None:
@@ -587,13 +588,16 @@ class Rollout:
         self.trace.save(os.path.join(self.workdir, TRACE_FILE))
 
 
-def _staging(x: RolloutInstance) -> tuple[Any, Any]:
-    """Where a new version waits for its instances, and in what dtype: on `x`'s mesh, so that
-    loading it there is free, unless `x` is a generation host of its own, which could die with
-    the only copy; then where the trainer's params are (None), from where any host can load it.
-    In the instances' dtype either way (`Engine.param_dtype`)."""
+def _staging(x: RolloutInstance) -> tuple[Any, Any, Any]:
+    """Where a new version waits for its instances, in what dtype, and on what LoRA base: on
+    `x`'s mesh, so that loading it there is free, unless `x` is a generation host of its own,
+    which could die with the only copy; then where the trainer's params are (None), from where
+    any host can load it. In the instances' dtype either way (`Engine.param_dtype`). A LoRA
+    version staged on `x` is its adapters on `x`'s base (`RolloutInstance.base`)."""
     shardings = x.engine.param_shardings
-    return (None if isinstance(shardings, RemoteTarget) else shardings), x.engine.param_dtype
+    if isinstance(shardings, RemoteTarget):
+        return None, x.engine.param_dtype, None
+    return shardings, x.engine.param_dtype, x.base
 
 
 def _kv_capacity(x: RolloutInstance) -> int:

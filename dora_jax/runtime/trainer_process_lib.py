@@ -82,12 +82,16 @@ class TrainerProcess:
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         return self._call("step", list(trajectories))
 
-    def publish(self, target_shardings: Any | None = None, dtype: Any = None) -> Any:
+    def publish(
+        self, target_shardings: Any | None = None, dtype: Any = None, base: Any | None = None
+    ) -> Any:
         # Imported here: the child imports this module before it may start JAX.
         from dora_jax.train.trainer_lib import publish_from_host
 
         # Cast in the child, before the pipe: half the bytes for a bfloat16 engine's copy.
-        published = publish_from_host(lambda: self._call("publish", dtype), target_shardings, dtype)
+        published = publish_from_host(
+            lambda: self._call("publish", dtype), target_shardings, dtype, base
+        )
         self._version = published.version
         return published
 

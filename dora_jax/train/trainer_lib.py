@@ -64,7 +64,9 @@ class TrainerLike(Protocol):
 
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]: ...
 
-    def publish(self, target_shardings: Any | None = None, dtype: Any = None) -> Published: ...
+    def publish(
+        self, target_shardings: Any | None = None, dtype: Any = None, base: Any | None = None
+    ) -> Published: ...
 
 
 def moe_load_metrics(expert_load: np.ndarray) -> dict[str, float]:
@@ -85,13 +87,19 @@ def publish_from_host(
     publish: Callable[[], tuple[Any, int, dict[str, float]]],
     target_shardings: Any | None,
     dtype: Any = None,
+    base: Any | None = None,
 ) -> Published:
     """A version published by a trainer in another process, which hands back host arrays:
     placed on `target_shardings` when given (else left on host), cast to `dtype`, its
-    `publish_seconds` the whole trip (the other side's copy, the pipe, the placing)."""
+    `publish_seconds` the whole trip (the other side's copy, the pipe, the placing). With a
+    LoRA `base` already on the target (`Trainer.publish`), only the adapters are placed."""
     start = time.perf_counter()
     params, version, metrics = publish()
-    if target_shardings is not None:
+    if target_shardings is not None and base is not None:
+        adapters = nnx.filter_state(params, nnx.LoRAParam)
+        target = nnx.filter_state(target_shardings, nnx.LoRAParam)
+        params = nnx.merge_state(base, transfer_lib.put(adapters, target, dtype=dtype).tree)
+    elif target_shardings is not None:
         params = transfer_lib.put(params, target_shardings, dtype=dtype).tree
     else:
         params = transfer_lib.cast(params, dtype)
@@ -387,24 +395,31 @@ class Trainer:
         metrics["step_seconds"] = time.perf_counter() - start
         return metrics
 
-    def publish(self, target_shardings: Any | None = None, dtype: Any = None) -> Published:
+    def publish(
+        self, target_shardings: Any | None = None, dtype: Any = None, base: Any | None = None
+    ) -> Published:
         """Ends the iteration: version v -> v + 1; returns a copy of the params placed on
         `target_shardings` (e.g. `sharding_lib.param_shardings(trainer.params, gen_mesh)`),
         or on the training mesh when None, in `dtype` (None: float32, as trained; a bfloat16
-        engine's copy is cast here, before it moves)."""
-        moved = transfer_lib.put(
-            self.params,
-            self._shardings if target_shardings is None else target_shardings,
-            copy=True,
-            dtype=dtype,
-        )
+        engine's copy is cast here, before it moves).
+
+        `base`: a LoRA policy's frozen params, already on the target in `dtype` (a rollout
+        instance's, `RolloutInstance.base`): only the adapters are copied, onto it."""
+        target = self._shardings if target_shardings is None else target_shardings
+        if base is None:
+            moved = transfer_lib.put(self.params, target, copy=True, dtype=dtype)
+            tree = moved.tree
+        else:
+            adapters = nnx.filter_state(target, nnx.LoRAParam)
+            moved = transfer_lib.put(self._train, adapters, copy=True, dtype=dtype)
+            tree = nnx.merge_state(base, moved.tree)
         self._version += 1
         if self.config.tis_cap is not None:
             self._history[self._version] = self._on_base(self._train)
             oldest = self._version - self.config.max_staleness
             self._history = {v: p for v, p in self._history.items() if v >= oldest}
         return Published(
-            moved.tree,
+            tree,
             self._version,
             {"publish_seconds": moved.seconds, "publish_bytes": float(moved.nbytes)},
         )
@@ -616,9 +631,11 @@ class MirroredTrainer:
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         return self._trainer.call("step", list(trajectories))
 
-    def publish(self, target_shardings: Any | None = None, dtype: Any = None) -> Published:
+    def publish(
+        self, target_shardings: Any | None = None, dtype: Any = None, base: Any | None = None
+    ) -> Published:
         """As `Trainer.publish`; with `target_shardings` None the version stays on host. Each
         process casts its part to `dtype` before it is gathered."""
         return publish_from_host(
-            lambda: self._trainer.call("publish", None, dtype), target_shardings, dtype
+            lambda: self._trainer.call("publish", None, dtype), target_shardings, dtype, base
         )

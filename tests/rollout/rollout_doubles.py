@@ -326,8 +326,10 @@ class TrainerDouble:
         self.batches.append(batch)
         return {"loss": 0.0}
 
-    def publish(self, target_shardings: Any | None = None, dtype: Any = None) -> Published:
-        del dtype  # the double's engines hold float32, as its weights are
+    def publish(
+        self, target_shardings: Any | None = None, dtype: Any = None, base: Any | None = None
+    ) -> Published:
+        del dtype, base  # the double's engines hold float32, as its weights are, and no LoRA
         self._version += 1
         self._params = self._weights(self._version)
         params = jax.device_put(self._params, target_shardings, may_alias=False)

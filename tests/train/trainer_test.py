@@ -15,6 +15,7 @@ from train_fixtures import TINY, random_batch, tiny_model
 
 from dora_jax.models import Functional, Transformer, create, sharding_lib
 from dora_jax.models.lora_lib import LoRAConfig
+from dora_jax.runtime import transfer_lib
 from dora_jax.train import TrainConfig, Trainer, batch_lib, trainer_lib
 
 MESH = sharding_lib.make_mesh(jax.devices()[:1], 1, 1)
@@ -303,6 +304,30 @@ def test_publish_places_a_copy_on_the_target_mesh():
     # The published copy survives the next step's buffer donation, unchanged.
     for a, b in zip(published, _host(pub.params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_lora_version_publishes_onto_a_base_already_on_the_target_as_adapters_alone():
+    """Onto a rollout instance's base (`base`), here or from a trainer in another process
+    (`publish_from_host`): only the adapters are copied, and the version is the trainer's."""
+    trainer = Trainer(create(TINY, 0, lora=LoRAConfig(rank=2)), BASE, MESH)
+    trainer.step(_with_behaviour(trainer, random_batch(np.random.RandomState(8), 2, 4)))
+    target = sharding_lib.param_shardings(
+        trainer.params, sharding_lib.make_mesh(jax.devices()[2:4], 1, 2)
+    )
+    frozen = lambda tree: nnx.filter_state(tree, nnx.Not(nnx.LoRAParam))
+    base = transfer_lib.put(frozen(trainer.params), frozen(target)).tree  # an instance's
+    adapters = nnx.state(trainer.params, nnx.LoRAParam)
+    host = jax.device_get(trainer.params)
+    for published in (
+        trainer.publish(target, base=base),
+        trainer_lib.publish_from_host(lambda: (host, 2, {}), target, None, base),
+    ):
+        assert all(a is b for a, b in zip(jax.tree.leaves(frozen(published.params)),
+                                          jax.tree.leaves(base), strict=True))  # fmt: skip
+        for a, b in zip(_host(published.params), _host(trainer.params), strict=True):
+            np.testing.assert_array_equal(a, b)
+    published = trainer.publish(target, base=base)
+    assert published.metrics["publish_bytes"] == sum(x.nbytes for x in jax.tree.leaves(adapters))
 
 
 def test_a_bfloat16_publish_is_the_params_rounded_and_half_the_bytes():
