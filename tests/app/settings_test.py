@@ -193,3 +193,13 @@ def test_stop_strings_written_as_one_string_are_refused():
     config.engine.stop_strings = "</answer>"
     with pytest.raises(ValueError, match=r"engine\.stop_strings='</answer>'"):
         settings_lib.validate(config)
+
+
+def test_lora_on_a_random_init_is_warned_about(caplog):
+    """Adapters on a random base barely learn (BENCHMARKS.md): the run says so at start."""
+    config = default.get_config()
+    settings_lib.validate(config)
+    assert "LoRA" not in caplog.text
+    config.model.lora_rank = 4
+    settings_lib.validate(config)
+    assert "model.lora_rank=4 on a random init" in caplog.text
