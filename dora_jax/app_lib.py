@@ -431,12 +431,7 @@ def _train_and_evaluate(
         after = held_out_of_trainer()
     runner.close()
     nnx.update(model, trained)
-    models.save_pretrained(
-        model,
-        os.path.join(workdir, "hf_policy"),
-        source=config.model.checkpoint or None,
-        dtype=DTYPES[config.model.dtype],  # what the engines ran (and `eval` scored)
-    )
+    _save_policy(config, model, os.path.join(workdir, "hf_policy"))
     records = metrics_lib.read_metrics(workdir)
     trained_tokens = sum(r.get("trained_tokens", 0.0) for r in records)
     summary = {
@@ -494,10 +489,18 @@ def export_checkpoint(
         raise FileNotFoundError(f"{workdir} holds no checkpoint to export")
     nnx.update(model, params)
     out = out or os.path.join(workdir, f"hf_policy_v{step}")
-    models.save_pretrained(
-        model, out, source=config.model.checkpoint or None, dtype=DTYPES[config.model.dtype]
-    )
+    _save_policy(config, model, out)
     return out
+
+
+def _save_policy(config: ml_collections.ConfigDict, model: models.Transformer, out: str) -> None:
+    """The policy as a Hugging Face model directory in `model.dtype` (what the engines ran and
+    `eval` scored), with `model.checkpoint`'s tokenizer and generation files; a LoRA policy
+    merged, and its adapters alone in PEFT's format under `adapter/` as well."""
+    source = config.model.checkpoint or None
+    models.save_pretrained(model, out, source=source, dtype=DTYPES[config.model.dtype])
+    if model.lora is not None:
+        models.save_adapter(model, os.path.join(out, models.hf_io.ADAPTER_DIR), base=source)
 
 
 def _check_workdir(workdir: str, expected: str) -> None:

@@ -2,7 +2,7 @@
 checkpoint I/O."""
 
 from dora_jax.models.config_lib import SUPPORTED_ARCHITECTURES, ModelConfig
-from dora_jax.models.hf_io import from_pretrained, read_config, save_pretrained
+from dora_jax.models.hf_io import from_pretrained, read_config, save_adapter, save_pretrained
 from dora_jax.models.lora_lib import LoRAConfig
 from dora_jax.models.model_lib import (
     REMAT_POLICIES,
@@ -25,5 +25,6 @@ __all__ = [
     "create",
     "from_pretrained",
     "read_config",
+    "save_adapter",
     "save_pretrained",
 ]

@@ -32,6 +32,8 @@ from dora_jax.models import lora_lib, model_lib, sharding_lib
 from dora_jax.models.config_lib import ModelConfig
 
 _SINGLE = "model.safetensors"
+# Where a LoRA policy's directory keeps its adapters alone, in PEFT's format (`save_adapter`).
+ADAPTER_DIR = "adapter"
 _INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # What a Hugging Face model directory holds beside its weights and config.json, copied on
@@ -313,3 +315,47 @@ def save_pretrained(
     with open(os.path.join(path, _INDEX), "w") as f:
         total = sum(int(np.prod(v.shape)) * v.dtype.itemsize for s in shards for v in s.values())
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def save_adapter(model: model_lib.Transformer, path: str, *, base: str | None = None) -> None:
+    """Writes a LoRA model's adapters alone as a PEFT adapter directory (`adapter_config.json`
+    and `adapter_model.safetensors`), which `peft.PeftModel.from_pretrained` (and vLLM's LoRA
+    serving) puts on the base checkpoint `base`. Each adapted module is named in full in
+    `target_modules`: PEFT would also match an MoE layer's expert projections by their short
+    names, which keep no adapters here. Float32, as the adapters train."""
+    if model.lora is None:
+        raise ValueError("save_adapter: the model has no LoRA adapters")
+    os.makedirs(path, exist_ok=True)
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
+    tensors, modules = {}, []
+    for key in sorted((k for k in flat if k[-1] == "lora_a"), key=str):
+        module = ".".join(map(str, ("model", *key[:-1])))
+        modules.append(module)
+        if model.config.num_experts and ".mlp." in module:
+            logging.warning(
+                "save_adapter(%s): %s is a dense layer's MLP projection of an MoE model; PEFT "
+                "(with transformers 5) may put it on the experts instead: serve the merged "
+                "model where it matters",
+                path,
+                module,
+            )
+        for ours, theirs in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+            value = np.asarray(jax.device_get(flat[(*key[:-1], ours)][...]), np.float32)
+            # torch's Linear weight of A is [rank, in], of B [out, rank]: ours transposed.
+            tensors[f"base_model.model.{module}.{theirs}.weight"] = np.ascontiguousarray(value.T)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": model.lora.rank,
+        "lora_alpha": model.lora.alpha,
+        "target_modules": modules,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -226,6 +226,14 @@ def test_a_lora_run_trains_adapters_alone_and_exports_them_merged(tmp_path, host
         elif key[0] == "layers":
             np.testing.assert_array_equal(written[name], np.asarray(weight[...]), err_msg=name)
     assert merged == 3 * model_config.num_layers
+    # The adapters alone, in PEFT's layout (torch's Linear weights: A [r, in], B [out, r]).
+    adapter = _tensors(tmp_path / "hf_policy" / "adapter", "adapter_model.safetensors")
+    assert len(adapter) == 2 * merged
+    for key, value in trained.items():
+        if key[-1] in ("lora_a", "lora_b"):
+            name = "base_model.model.model." + ".".join(map(str, key[:-1]))
+            name += ".lora_A.weight" if key[-1] == "lora_a" else ".lora_B.weight"
+            np.testing.assert_array_equal(adapter[name], value.T, err_msg=name)
     np.testing.assert_array_equal(written["model.embed_tokens.weight"], base.embed_tokens[...])
     if not hosts:
         with open(tmp_path / "metrics.jsonl") as f:
@@ -401,10 +409,10 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
         np.testing.assert_array_equal(again[name], value, err_msg=name)
 
 
-def _tensors(directory) -> dict[str, np.ndarray]:
+def _tensors(directory, name: str = "model.safetensors") -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
-    return load_file(os.path.join(directory, "model.safetensors"))
+    return load_file(os.path.join(directory, name))
 
 
 def test_network_hosts_wait_as_long_as_host_timeout_s(monkeypatch):

@@ -5,14 +5,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import peft
 import pytest
 import torch
 import transformers
 from flax import nnx
 from hf_fixtures import make_hf_model
 
-from dora_jax.models import ModelConfig, create, from_pretrained, save_pretrained
-from dora_jax.models.lora_lib import LoRAConfig
+from dora_jax.models import ModelConfig, create, from_pretrained, save_adapter, save_pretrained
+from dora_jax.models.lora_lib import TARGETS, LoRAConfig
 
 TOL = 1e-4
 
@@ -94,6 +95,30 @@ def test_save_pretrained_writes_the_merged_model(tmp_path):
     np.testing.assert_allclose(
         np.asarray(reread(jnp.asarray(ids, jnp.int32))), want, atol=TOL, rtol=0
     )
+
+
+@pytest.mark.parametrize(
+    "arch,targets",
+    [("Qwen3ForCausalLM", ("q_proj", "v_proj", "down_proj")), ("LlamaForCausalLM", TARGETS),
+     ("Qwen3MoeForCausalLM", ("q_proj", "k_proj", "v_proj", "o_proj"))],
+)  # fmt: skip
+def test_a_saved_adapter_loads_in_peft_onto_its_base_as_the_adapted_model(arch, targets, tmp_path):
+    """PEFT as the reference. (For MoE models PEFT with transformers 5 re-targets MLP names onto
+    the fused experts, so an MoE model's adapter is tested on attention.)"""
+    base, adapter = str(tmp_path / "base"), str(tmp_path / "adapter")
+    make_hf_model(arch, base)
+    lora = LoRAConfig(rank=3, alpha=6.0, targets=targets)
+    ours = from_pretrained(base, lora=lora)
+    _randomise_b(ours)
+    save_adapter(ours, adapter, base=base)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base)
+    adapted = peft.PeftModel.from_pretrained(hf, adapter).eval()
+    ids = _ids()
+    with torch.no_grad():
+        want = adapted(torch.tensor(ids)).logits.numpy()
+    assert np.abs(np.asarray(ours(jnp.asarray(ids, jnp.int32))) - want).max() <= TOL
+    with pytest.raises(ValueError, match="no LoRA"):
+        save_adapter(from_pretrained(base), adapter)
 
 
 def test_loaded_adapters_are_those_a_random_init_of_the_seed_gives(tmp_path):
