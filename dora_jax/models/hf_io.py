@@ -32,10 +32,10 @@ from dora_jax.models import lora_lib, model_lib, sharding_lib
 from dora_jax.models.config_lib import ModelConfig
 
 _SINGLE = "model.safetensors"
-# Where a LoRA policy's directory keeps its adapters alone, in PEFT's format (`save_adapter`).
-ADAPTER_DIR = "adapter"
 _INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# Where a LoRA policy's directory keeps its adapters alone, in PEFT's format (`save_adapter`).
+ADAPTER_DIR = "adapter"
 # What a Hugging Face model directory holds beside its weights and config.json, copied on
 # export so that the result replaces the directory it came from (tokenizer, chat template,
 # generation defaults such as the eos ids a serving stack stops on).
