@@ -97,14 +97,11 @@ class RolloutInstance:
         target, dtype = self.engine.param_shardings, self.engine.param_dtype
         if self._base is None or not isinstance(state, nnx.State):
             moved = transfer_lib.put(state, target, dtype=dtype)
-            tree = moved.tree
             if isinstance(target, nnx.State) and nnx.filter_state(target, nnx.LoRAParam):
-                self._base = nnx.filter_state(tree, nnx.Not(nnx.LoRAParam))
+                self._base = nnx.filter_state(moved.tree, nnx.Not(nnx.LoRAParam))
         else:
-            adapters = nnx.filter_state(state, nnx.LoRAParam)
-            moved = transfer_lib.put(adapters, nnx.filter_state(target, nnx.LoRAParam), dtype=dtype)
-            tree = nnx.merge_state(self._base, moved.tree)
-        self.params = PolicyParams(tree, version=version)
+            moved = transfer_lib.put_onto_base(state, target, self._base, dtype=dtype)
+        self.params = PolicyParams(moved.tree, version=version)
         self.version = version
         return moved.seconds, moved.nbytes
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from dora_jax.runtime.hosts_lib import HostHandle, RemoteTarget
 
@@ -78,6 +79,19 @@ def put(tree: Any, shardings: Any, *, copy: bool = False, dtype: Any = None) -> 
             placed = jax.tree.map(_unshare, tree, placed)
         jax.block_until_ready(placed)
     return Transfer(placed, time.perf_counter() - start, tree_nbytes(placed))
+
+
+def put_onto_base(
+    tree: Any, shardings: Any, base: Any, *, copy: bool = False, dtype: Any = None
+) -> Transfer:
+    """`tree`'s LoRA adapters placed as `put` places them, merged onto `base`: a LoRA policy's
+    frozen params, already where `shardings` say and in `dtype`. LoRA versions differ in their
+    adapters alone, so a version moves onto a base held there as its adapters (`nbytes` counts
+    those)."""
+    adapters = nnx.filter_state(tree, nnx.LoRAParam)
+    target = nnx.filter_state(shardings, nnx.LoRAParam)
+    moved = put(adapters, target, copy=copy, dtype=dtype)
+    return dataclasses.replace(moved, tree=nnx.merge_state(base, moved.tree))
 
 
 def _buffers(x: Any) -> set[int]:

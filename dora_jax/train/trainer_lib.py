@@ -96,9 +96,7 @@ def publish_from_host(
     start = time.perf_counter()
     params, version, metrics = publish()
     if target_shardings is not None and base is not None:
-        adapters = nnx.filter_state(params, nnx.LoRAParam)
-        target = nnx.filter_state(target_shardings, nnx.LoRAParam)
-        params = nnx.merge_state(base, transfer_lib.put(adapters, target, dtype=dtype).tree)
+        params = transfer_lib.put_onto_base(params, target_shardings, base, dtype=dtype).tree
     elif target_shardings is not None:
         params = transfer_lib.put(params, target_shardings, dtype=dtype).tree
     else:
@@ -408,18 +406,15 @@ class Trainer:
         target = self._shardings if target_shardings is None else target_shardings
         if base is None:
             moved = transfer_lib.put(self.params, target, copy=True, dtype=dtype)
-            tree = moved.tree
         else:
-            adapters = nnx.filter_state(target, nnx.LoRAParam)
-            moved = transfer_lib.put(self._train, adapters, copy=True, dtype=dtype)
-            tree = nnx.merge_state(base, moved.tree)
+            moved = transfer_lib.put_onto_base(self.params, target, base, copy=True, dtype=dtype)
         self._version += 1
         if self.config.tis_cap is not None:
             self._history[self._version] = self._on_base(self._train)
             oldest = self._version - self.config.max_staleness
             self._history = {v: p for v, p in self._history.items() if v >= oldest}
         return Published(
-            tree,
+            moved.tree,
             self._version,
             {"publish_seconds": moved.seconds, "publish_bytes": float(moved.nbytes)},
         )
