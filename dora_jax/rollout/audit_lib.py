@@ -1,5 +1,10 @@
 """`dora-jax audit WORKDIR`: re-checks C1-C3 from the ledger alone and reports length bias.
 
+Length bias compares the response lengths of trained samples with those of all finished ones
+(trained or queued at the end) and of all dispatched ones (the unfinished at their length so
+far, a lower bound): a scheme that drops or defers long trajectories shows shorter trained
+responses than either.
+
 Independent of the runtime on purpose: it trusts nothing but `ledger.jsonl`, so a bug in the
 orchestrator's own bookkeeping cannot hide a lost, duplicated or too-stale sample. Besides
 C1-C3 it checks that the run `completed`: a crashed run's ledger still ends with an `end`
@@ -53,6 +58,9 @@ class AuditReport:
     queued_at_end: int
     trained_lengths: LengthStats
     finished_lengths: LengthStats
+    # Every dispatched sample, the unfinished ones at their length so far (None: a ledger from
+    # before the end event recorded those).
+    dispatched_lengths: LengthStats | None
     # How the run stopped (`end.stopped`; a ledger from before that key reads as completed)
     # and the iterations it was asked for (`end.num_iterations`, None where not written).
     stopped: str = ledger_lib.COMPLETED
@@ -84,7 +92,10 @@ class AuditReport:
             f"  C1 violations: {self.c1_violations}; max staleness {self.max_staleness}; "
             f"staleness histogram {dict(sorted(self.staleness_histogram.items()))}"
         )
-        for name, s in (("trained", self.trained_lengths), ("finished", self.finished_lengths)):
+        lengths = [("trained", self.trained_lengths), ("finished", self.finished_lengths)]
+        if self.dispatched_lengths is not None:
+            lengths.append(("dispatched (unfinished: so far)", self.dispatched_lengths))
+        for name, s in lengths:
             lines.append(
                 f"  response length of {name} samples: n={s.count} mean={s.mean:.1f} "
                 f"p50={s.p50:.1f} p99={s.p99:.1f}"
@@ -179,6 +190,7 @@ def audit_events(events: list[dict[str, Any]]) -> AuditReport:
 
     trained_lengths = [e["response_length"] for e in trains]
     finished_lengths = trained_lengths + list(end.get("queued_response_lengths", []))
+    unfinished_lengths = end.get("in_flight_response_lengths")
     return AuditReport(
         rules={rule: not p for rule, p in problems.items()},
         problems=problems,
@@ -193,6 +205,9 @@ def audit_events(events: list[dict[str, Any]]) -> AuditReport:
         queued_at_end=len(queued),
         trained_lengths=LengthStats.of(trained_lengths),
         finished_lengths=LengthStats.of(finished_lengths),
+        dispatched_lengths=None
+        if unfinished_lengths is None
+        else LengthStats.of(finished_lengths + unfinished_lengths),
         stopped=stopped,
         num_iterations=num_iterations,
     )

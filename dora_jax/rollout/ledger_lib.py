@@ -5,21 +5,23 @@ file), `dispatch` when a sample starts decoding (again, with the same key, when 
 instance's sample is regenerated), `train` when a sample is trained (its step done, the new
 version taken up), `end` when the run stops with how it stopped (`"completed"`, or the error
 that ended it: the runner writes `end` on the way out of a crash too), the iterations it was
-asked for, what was still in flight and what sat finished, untrained (in the trajectory
+asked for, what was still in flight (with its response length so far) and what sat finished,
+untrained (in the trajectory
 queue, or handed to a trainer that did not finish its step). Lines are written in
 the orchestrator's logical order, so the same config and seed give a byte-identical file.
 
 `read` accepts only what `Ledger` writes: a missing file, a line that is not JSON (the last
 one cut off by a crash mid-write, say) or an event without a key the audit reads raises
 `LedgerError` naming the file and line, so no ledger is audited in part. Ledgers from before
-`end.stopped` and `end.num_iterations` existed read as they always did.
+`end.stopped`, `end.num_iterations` and the end's response lengths existed read as they
+always did.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dora_jax.config_fields_lib import as_integer
@@ -102,13 +104,14 @@ class Ledger:
 
     def end(
         self,
-        in_flight: list[tuple[int, int]],
+        in_flight: Mapping[tuple[int, int], int],
         queued: list[Trajectory],
         *,
         stopped: str = COMPLETED,
         num_iterations: int | None = None,
     ) -> None:
-        """`stopped`: `COMPLETED`, or what ended the run (e.g. the exception's type and
+        """`in_flight`: every dispatched, unfinished sample's key -> the response tokens it has
+        so far. `stopped`: `COMPLETED`, or what ended the run (e.g. the exception's type and
         message). `num_iterations`: what the run was asked for, so the audit can tell a run that
         trained all of it from one cut short; here, not in `start`, because a resumed run may
         be asked for more (or fewer) than the run it continues. Left out when None."""
@@ -119,10 +122,13 @@ class Ledger:
             if not _int(num_iterations) or num_iterations < 0:
                 raise ValueError(f"num_iterations must be an int >= 0, got {num_iterations!r}")
             event["num_iterations"] = num_iterations
-        event["in_flight"] = [list(k) for k in in_flight]
+        keys = sorted(in_flight)
+        event["in_flight"] = [list(k) for k in keys]
         event["queued"] = [list(t.key) for t in queued]
-        # Lengths of the finished-but-untrained samples, for the audit's length bias.
+        # For the audit's length bias: the finished-but-untrained samples' lengths, and the
+        # unfinished ones' so far (a lower bound: the tail a run cut off is what it would hide).
         event["queued_response_lengths"] = [len(t.response_tokens) for t in queued]
+        event["in_flight_response_lengths"] = [in_flight[k] for k in keys]
         self._write(event)
 
     def close(self) -> None:
@@ -168,7 +174,17 @@ _REQUIRED: dict[str, dict[str, _Field]] = {
 }
 # Keys that older ledgers lack: checked only when present.
 _OPTIONAL: dict[str, dict[str, _Field]] = {
-    "end": {"stopped": _STR, "num_iterations": _INT, "queued_response_lengths": _INTS},
+    "end": {
+        "stopped": _STR,
+        "num_iterations": _INT,
+        "queued_response_lengths": _INTS,
+        "in_flight_response_lengths": _INTS,
+    },
+}
+
+# Lists that give one value per sample of another list of the same event.
+_PARALLEL: dict[str, tuple[tuple[str, str], ...]] = {
+    "end": (("queued", "queued_response_lengths"), ("in_flight", "in_flight_response_lengths")),
 }
 
 
@@ -185,6 +201,11 @@ def check_event(event: Any) -> None:
     for key, (ok, expected) in (_REQUIRED[kind] | _OPTIONAL.get(kind, {})).items():
         if key in event and not ok(event[key]):
             raise LedgerError(f"{kind} event: {key!r} is {event[key]!r:.80}, expected {expected}")
+    for keys, lengths in _PARALLEL.get(kind, ()):
+        if lengths in event and len(event[lengths]) != len(event[keys]):
+            raise LedgerError(
+                f"{kind} event: {len(event[lengths])} {lengths} for {len(event[keys])} {keys}"
+            )
 
 
 def _load(workdir_or_path: str) -> tuple[str, bytes]:

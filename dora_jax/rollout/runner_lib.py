@@ -575,10 +575,9 @@ class Rollout:
     # -- end of run ---------------------------------------------------------------------------
 
     def _stop(self, stopped: str) -> None:
-        in_flight = sorted(self.unfinished)
         handed_over = [t for job in self._jobs for t in job.batch]  # not trained, as published
         self.ledger.end(
-            in_flight,
+            {key: len(r.tokens) for key, r in self.unfinished.items()},
             self.queue.queued() + handed_over,
             stopped=stopped,
             num_iterations=self.config.num_iterations,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from dora_jax.rollout import audit_lib, ledger_lib
@@ -70,6 +71,16 @@ def test_clean_ledger_passes(tmp_path):
     assert report.staleness_histogram == {0: 2, 1: 2}
     assert report.trained_lengths.mean == pytest.approx(5.5)
     assert report.finished_lengths.count == 5 and report.finished_lengths.mean == 24.4
+    assert report.dispatched_lengths is None  # a ledger from before in-flight lengths
+
+
+def test_dispatched_lengths_count_the_unfinished_at_their_length_so_far(tmp_path):
+    report = _write(tmp_path, _with(_clean(), in_flight_response_lengths=[130]))
+    # trained 2, 4, 10, 6; queued 100; in flight 130 so far
+    assert report.dispatched_lengths == audit_lib.LengthStats(
+        6, 42.0, 8.0, float(np.percentile([2, 4, 10, 6, 100, 130], 99))
+    )
+    assert "dispatched (unfinished: so far) samples: n=6 mean=42.0 p50=8.0" in report.format()
 
 
 @pytest.mark.parametrize(

@@ -29,17 +29,18 @@ _DEFAULT = object()  # "pass nothing", distinct from passing None
 
 
 def _run(tmp_path, *, num_iterations=_DEFAULT, stopped=_DEFAULT) -> list[dict]:
-    """A run of one iteration (TBS 2, one group of 2) and one sample queued at the end."""
+    """A run of one iteration (TBS 2, one group of 2), one sample queued at the end and two in
+    flight (dispatched here only to keep the ledger whole)."""
     ledger = ledger_lib.Ledger(str(tmp_path))
     ledger.start(mode="dora", staleness_bound=1, train_batch_size=2, group_size=2)
-    for pid, idx in [(0, 0), (0, 1), (1, 0)]:
+    for pid, idx in [(0, 0), (0, 1), (1, 0), (1, 1), (2, 1)]:
         ledger.dispatch(pid, idx, version=0, iteration=0)
     for idx, length in [(0, 3), (1, 5)]:
         ledger.train(_traj(0, idx, 0, length), iteration=0, trainer_version=0)
     end_kwargs = {} if stopped is _DEFAULT else {"stopped": stopped}
     if num_iterations is not _DEFAULT:
         end_kwargs["num_iterations"] = num_iterations
-    ledger.end([], [_traj(1, 0, 0, 7)], **end_kwargs)
+    ledger.end({(2, 1): 4, (1, 1): 0}, [_traj(1, 0, 0, 7)], **end_kwargs)
     ledger.close()
     with open(tmp_path / ledger_lib.LEDGER_FILE) as f:
         return [json.loads(line) for line in f]
@@ -58,9 +59,10 @@ def test_start_and_end_write_the_new_keys(tmp_path):
         "event": "end",
         "stopped": "ValueError: bad batch",
         "num_iterations": 1,
-        "in_flight": [],
+        "in_flight": [[1, 1], [2, 1]],  # sorted, each with its tokens so far
         "queued": [[1, 0]],
         "queued_response_lengths": [7],
+        "in_flight_response_lengths": [0, 4],
     }
     assert ledger_lib.read(str(tmp_path)) == events
     report = audit_lib.audit(str(tmp_path))
@@ -101,4 +103,17 @@ def test_read_rejects_non_utf8_and_non_objects(tmp_path):
         ledger_lib.read(str(tmp_path))
     path.write_bytes(b"[1, 2]\n")
     with pytest.raises(ledger_lib.LedgerError, match=r"line 1: not a JSON object: \[1, 2\]$"):
+        ledger_lib.read(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "keys, lengths",
+    [("queued", "queued_response_lengths"), ("in_flight", "in_flight_response_lengths")],
+)
+def test_read_rejects_lengths_that_do_not_match_their_samples(tmp_path, keys, lengths):
+    events = _run(tmp_path)
+    events[-1][lengths].append(3)
+    (tmp_path / ledger_lib.LEDGER_FILE).write_text("".join(json.dumps(e) + "\n" for e in events))
+    n = len(events[-1][keys])
+    with pytest.raises(ledger_lib.LedgerError, match=f"{n + 1} {lengths} for {n} {keys}"):
         ledger_lib.read(str(tmp_path))

@@ -233,6 +233,9 @@ def test_length_bias_is_reported_against_numpy(tmp_path, mode):
     assert report.trained_lengths.p99 == pytest.approx(np.percentile(lengths, 99))
     finished = lengths + [len(t.response_tokens) for t in rollout.queue.queued()]
     assert report.finished_lengths.p50 == pytest.approx(np.percentile(finished, 50))
+    dispatched = finished + [len(r.tokens) for r in rollout.unfinished.values()]
+    assert report.dispatched_lengths.count == len(dispatched) == report.dispatched
+    assert report.dispatched_lengths.mean == pytest.approx(np.mean(dispatched))
 
 
 def test_a_prefill_that_fails_half_way_requeues_each_request_once(tmp_path):
