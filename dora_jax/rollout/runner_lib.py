@@ -1,10 +1,11 @@
 """The rollout loop shared by every paradigm: logical decode steps, the trainer, the ledger.
 
-Time is logical, counted in decode steps. Each loop turn runs `decode_steps_per_turn` decode
-steps on every busy instance (one engine call each). The trainer's steps run on a worker thread,
-which also makes each new version's copy for the instances; the version is taken up at the first
-turn `publish_delay_steps` decode steps after its batch was handed over, or after the previous
-version was taken up if that was later (or at once if rollout has nothing left to do). So every
+Time is logical, counted in decode steps (`runtime.clock_lib`). Each loop turn runs
+`decode_steps_per_turn` decode steps on every busy instance (one engine call each). The
+trainer's steps run on a worker thread, which also makes each new version's copy for the
+instances; the version is taken up at the first turn `publish_delay_steps` decode steps after
+its batch was handed over, or after the previous version was taken up if that was later (or at
+once if rollout has nothing left to do). So every
 decision depends on step counts, completions and versions only, and the same config and seed
 give the same ledger. The trainer holds up to `TRAINER_QUEUE` batches, so it starts its next
 step as soon as one ends rather than when the controller next takes a version up. The
@@ -37,6 +38,7 @@ from dora_jax.rollout.telemetry_lib import TRAINER_TRACK, Telemetry
 from dora_jax.rollout.trajectory_lib import Trajectory
 from dora_jax.rollout.window_lib import VersionWindow
 from dora_jax.runtime import transfer_lib
+from dora_jax.runtime.clock_lib import LogicalClock
 from dora_jax.runtime.hosts_lib import RemoteTarget
 
 if TYPE_CHECKING:  # the rollout runs any trainer with this interface, in-process or not
@@ -113,8 +115,7 @@ class Rollout:
         self.staged: dict[int, Any] = {
             0: transfer_lib.put(trainer.params, shardings, copy=True, dtype=dtype).tree
         }
-        self.tick = 0  # decode steps so far
-        self._timer_tick = 0  # when the orchestrator's timer fires next
+        self.clock = LogicalClock(config.timer_steps, config.publish_delay_steps)
         self.selected = 0  # batches handed to the trainer
         self.next_prompt = 0
         self.pending: dict[int, collections.deque[Request]] = collections.defaultdict(
@@ -127,7 +128,6 @@ class Rollout:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
         self._jobs: collections.deque[_TrainingJob] = collections.deque()  # oldest first
         self._admitting: set[int] = set()  # instances with admissions enqueued this turn
-        self._last_publish_tick = 0
         self._publish_now = False  # nothing left to decode: take the next version up at once
         self._last_publish_us = self.trace.now_us()
         if resume is not None:
@@ -152,7 +152,7 @@ class Rollout:
     def _turn(self) -> None:
         progress = (self.totals["prefills"], self.selected)
         triggers: set[str] = set()
-        if self._jobs and (self._publish_now or self.tick >= self._publish_tick()):
+        if self._jobs and (self._publish_now or self.clock.version_due(self._jobs[0].handed_tick)):
             self._publish()
             every = self.checkpoint_every
             last = self.window.newest >= self.config.num_iterations
@@ -169,10 +169,8 @@ class Rollout:
         self._try_train()
         if self.selected < self.config.num_iterations and not self._draining:
             self.paradigm.top_up(self)
-        if self.tick >= self._timer_tick:
+        if self.clock.timer_fired():
             triggers.add("timer")
-            steps = self.config.timer_steps
-            self._timer_tick = (self.tick // steps + 1) * steps
         if any(x.kv_tokens() > self.config.kv_pressure * _kv_capacity(x) for x in self.healthy()):
             triggers.add("kv_pressure")
         if any(not x.active() for x in self.healthy()) and self.outstanding():
@@ -183,16 +181,16 @@ class Rollout:
             self.paradigm.fill_spare(self)
         self._admit()
         if any(x.active() for x in self.healthy()):
-            self.tick += max(self._decode(), 1)
+            self.clock.advance(max(self._decode(), 1))
             return
         if self._jobs:
             self._publish_now = True
         elif progress == (self.totals["prefills"], self.selected):
             raise RuntimeError(
-                f"rollout stalled at step {self.tick}: {self.selected} batches selected, "
+                f"rollout stalled at step {self.clock.tick}: {self.selected} batches selected, "
                 f"live versions {self.window.live()}, outstanding {self.outstanding()}"
             )
-        self.tick += 1
+        self.clock.advance(1)
 
     def healthy(self) -> list[RolloutInstance]:
         return [x for x in self.instances if x.healthy]
@@ -439,15 +437,9 @@ class Rollout:
         # The new version waits where loading it costs least: the least busy instance now.
         target = min(self.healthy(), key=lambda x: (len(x.active()), x.index))
         future = self._executor.submit(self._train_step, batch, self.selected, _staging(target))
-        self._jobs.append(_TrainingJob(future, batch, self.selected, self.tick))
+        self._jobs.append(_TrainingJob(future, batch, self.selected, self.clock.tick))
         self.selected += 1
         self._retire()
-
-    def _publish_tick(self) -> int:
-        """When the oldest batch's version is due: `publish_delay_steps` after the later of its
-        hand-over and the previous version's take-up (the trainer's steps are sequential)."""
-        job = self._jobs[0]
-        return max(job.handed_tick, self._last_publish_tick) + self.config.publish_delay_steps
 
     def _train_step(
         self, batch: list[Trajectory], iteration: int, staging: tuple[Any, Any, Any]
@@ -483,7 +475,7 @@ class Rollout:
         )
         self.staged[published.version] = published.params
         self.window.newest = published.version
-        self._last_publish_tick = self.tick
+        self.clock.took_up_version()
         self._publish_now = False
         self._retire()
         now = self.trace.now_us()
@@ -543,8 +535,7 @@ class Rollout:
         if self.outstanding() or self._jobs or self.unfinished:
             raise RuntimeError("rollout state is only complete at a checkpoint barrier")
         return {
-            "tick": self.tick,
-            "timer_tick": self._timer_tick,
+            **self.clock.state_dict(),
             "selected": self.selected,
             "newest": self.window.newest,
             "next_prompt": self.next_prompt,
@@ -560,8 +551,7 @@ class Rollout:
                 f"trainer restored at version {self.trainer.version}, "
                 f"rollout state is at version {state['newest']}"
             )
-        self.tick = state["tick"]
-        self._timer_tick = state["timer_tick"]
+        self.clock.load_state_dict(state)
         self.selected = state["selected"]
         self.window.newest = state["newest"]
         self.next_prompt = state["next_prompt"]

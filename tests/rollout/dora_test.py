@@ -90,7 +90,7 @@ def test_dora_fills_slots_better_than_sync(tmp_path):
             max_length=120,
         )
         rollout.run()
-        occupancy[mode] = rollout.tick  # logical decode steps for the same trained work
+        occupancy[mode] = rollout.clock.tick  # logical decode steps for the same trained work
     assert occupancy["dora"] < occupancy["sync"]
 
 
