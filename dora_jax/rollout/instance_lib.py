@@ -24,6 +24,7 @@ from dora_jax.engine.request_lib import Request as EngineRequest
 from dora_jax.engine.slots_lib import PolicyParams
 from dora_jax.rollout.request_lib import Request
 from dora_jax.runtime import transfer_lib
+from dora_jax.runtime.hosts_lib import RemoteTarget
 
 
 def read_rows(result: Any) -> list[tuple[int, float, int]]:
@@ -77,8 +78,8 @@ class RolloutInstance:
     @property
     def base(self) -> Any | None:
         """A LoRA policy's frozen params as this instance holds them (None before its first
-        version, without LoRA, and on a generation host): the trainer publishes a version
-        staged here as adapters on this base."""
+        version and without LoRA; on a generation host, a `HostHandle` to them there): the
+        trainer publishes a version staged here as adapters on this base."""
         return self._base
 
     def load(self, version: int, state: Any) -> tuple[float, int]:
@@ -90,20 +91,33 @@ class RolloutInstance:
         a run (a `Rollout` makes its instances after the trainer's restore, and the warm-up
         before it trains adapters only): an instance in this process keeps the base of its
         first version, and every later version moves (and holds a copy of) its adapters only.
+        So does one on a generation host, once it has loaded a version from this process (a
+        version copied from another host's first travels whole).
         """
         if self.active():
             raise RuntimeError(f"{self.name}: cannot switch versions with requests in its slots")
         self.params = None
         target, dtype = self.engine.param_shardings, self.engine.param_dtype
-        if self._base is None or not isinstance(state, nnx.State):
-            moved = transfer_lib.put(state, target, dtype=dtype)
-            if isinstance(target, nnx.State) and nnx.filter_state(target, nnx.LoRAParam):
-                self._base = nnx.filter_state(moved.tree, nnx.Not(nnx.LoRAParam))
-        else:
+        remote = isinstance(target, RemoteTarget)
+        if self._base is not None and (remote or isinstance(state, nnx.State)):
             moved = transfer_lib.put_onto_base(state, target, self._base, dtype=dtype)
+        else:
+            moved = transfer_lib.put(state, target, dtype=dtype)
+            self._base = self._base_of(state, moved.tree)
         self.params = PolicyParams(moved.tree, version=version)
         self.version = version
         return moved.seconds, moved.nbytes
+
+    def _base_of(self, state: Any, placed: Any) -> Any | None:
+        """The frozen base of a version just placed whole, None without adapters. On a
+        generation host, `placed` is a handle, so whether the policy has adapters is read from
+        `state`, known only where it came from this process."""
+        if isinstance(placed, nnx.State):
+            if nnx.filter_state(placed, nnx.LoRAParam):
+                return nnx.filter_state(placed, nnx.Not(nnx.LoRAParam))
+        elif isinstance(state, nnx.State) and nnx.filter_state(state, nnx.LoRAParam):
+            return self.engine.keep_base(placed)
+        return None
 
     def unload(self) -> None:
         """Frees the hosted version's params (its version retired)."""

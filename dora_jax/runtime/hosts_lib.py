@@ -149,15 +149,40 @@ def _load(engine, held, handle, host_tree):
     return None
 
 
+def _keep_base(engine, held, base, params):
+    """Keeps the frozen base of a LoRA policy's held params under `base`, so that later
+    versions come as adapters (`_load_onto`); returns its bytes, or None where the params hold
+    no adapters."""
+    from flax import nnx
+
+    from dora_jax.runtime import transfer_lib
+
+    if not nnx.filter_state(held[params], nnx.LoRAParam):
+        return None
+    held[base] = nnx.filter_state(held[params], nnx.Not(nnx.LoRAParam))
+    return transfer_lib.tree_nbytes(held[base])
+
+
+def _load_onto(engine, held, handle, base, host_adapters):
+    from dora_jax.runtime import transfer_lib
+
+    held[handle] = transfer_lib.put_onto_base(
+        host_adapters, engine.param_shardings, held[base], dtype=engine.param_dtype
+    ).tree
+    return None
+
+
 def _load_model(engine, held, handle):
     held[handle] = engine.load_params().state
     return None
 
 
-def _fetch(engine, held, handle):
+def _fetch(engine, held, handle, adapters_only):
     import jax
+    from flax import nnx
 
-    return jax.device_get(held[handle])
+    tree = held[handle]
+    return jax.device_get(nnx.filter_state(tree, nnx.LoRAParam) if adapters_only else tree)
 
 
 def _init(engine, held, handle):
@@ -197,6 +222,8 @@ def _import(engine, held, state, new_state, slot, exported, exported_key):
 
 _HANDLERS = {
     "load": _load,
+    "keep_base": _keep_base,
+    "load_onto": _load_onto,
     "load_model": _load_model,
     "fetch": _fetch,
     "init": _init,
@@ -223,9 +250,9 @@ class HostHandle:
         self.nbytes = nbytes
         self.owned = owned
 
-    def fetch(self) -> Any:
-        """The value as host arrays."""
-        return self.engine.call("fetch", self.key)
+    def fetch(self, adapters_only: bool = False) -> Any:
+        """The value as host arrays; of params, their LoRA adapters alone if asked."""
+        return self.engine.call("fetch", self.key, adapters_only)
 
     def __del__(self) -> None:
         if self.owned:
@@ -373,13 +400,28 @@ class RemoteEngine:
 
     # -- params --
 
-    def place(self, host_tree: Any) -> HostHandle:
-        """Puts params (host arrays) on the host's devices."""
+    def place(self, host_tree: Any, base: HostHandle | None = None) -> HostHandle:
+        """Puts params (host arrays) on the host's devices; with `base` (`keep_base`), they are
+        a LoRA version's adapters, merged there onto that base."""
         from dora_jax.runtime import transfer_lib
 
         handle = self._handle(transfer_lib.tree_nbytes(host_tree))
-        self.call("load", handle.key, host_tree)
+        if base is None:
+            self.call("load", handle.key, host_tree)
+        else:
+            self.call("load_onto", handle.key, base.key, host_tree)
         return handle
+
+    def keep_base(self, params: HostHandle) -> HostHandle | None:
+        """A handle to the frozen base of the LoRA policy `params` holds on the host (None for
+        a policy without adapters): the base never changes in a run, so later versions can
+        move as their adapters alone (`place(adapters, base)`)."""
+        base = self._handle()
+        nbytes = self.call("keep_base", base.key, params.key)
+        if nbytes is None:
+            return None
+        base.nbytes = nbytes
+        return base
 
     def load_params(self, version: int = 0) -> Any:
         from dora_jax.engine.slots_lib import PolicyParams

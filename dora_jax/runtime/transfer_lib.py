@@ -61,23 +61,16 @@ def put(tree: Any, shardings: Any, *, copy: bool = False, dtype: Any = None) -> 
     `dtype` casts floating-point leaves before they move (`cast`): a generation engine holds
     its params in the dtype it computes in, not in the trainer's float32.
     """
+    if isinstance(shardings, RemoteTarget):
+        return _put_remote(tree, shardings, copy, dtype)
     start = time.perf_counter()
-    remote = isinstance(shardings, RemoteTarget)
     if isinstance(tree, HostHandle):
-        if remote and tree.engine is shardings.engine and not copy:
-            return Transfer(tree, time.perf_counter() - start, tree.nbytes)
-        try:
-            tree = tree.fetch()
-        except Exception as e:
-            raise SourceError(f"{tree.engine.name}: could not read its params ({e})") from e
+        tree = _fetch(tree, adapters_only=False)
     tree = cast(tree, dtype)
-    if remote:
-        placed = shardings.engine.place(jax.device_get(tree))
-    else:
-        placed = jax.device_put(tree, shardings, may_alias=False if copy else None)
-        if copy:
-            placed = jax.tree.map(_unshare, tree, placed)
-        jax.block_until_ready(placed)
+    placed = jax.device_put(tree, shardings, may_alias=False if copy else None)
+    if copy:
+        placed = jax.tree.map(_unshare, tree, placed)
+    jax.block_until_ready(placed)
     return Transfer(placed, time.perf_counter() - start, tree_nbytes(placed))
 
 
@@ -85,13 +78,38 @@ def put_onto_base(
     tree: Any, shardings: Any, base: Any, *, copy: bool = False, dtype: Any = None
 ) -> Transfer:
     """`tree`'s LoRA adapters placed as `put` places them, merged onto `base`: a LoRA policy's
-    frozen params, already where `shardings` say and in `dtype`. LoRA versions differ in their
-    adapters alone, so a version moves onto a base held there as its adapters (`nbytes` counts
-    those)."""
+    frozen params, already where `shardings` say and in `dtype` (on a generation host, the
+    handle `RemoteEngine.keep_base` gave). LoRA versions differ in their adapters alone, so a
+    version moves onto a base held there as its adapters (`nbytes` counts those)."""
+    if isinstance(shardings, RemoteTarget):
+        return _put_remote(tree, shardings, copy, dtype, base)
     adapters = nnx.filter_state(tree, nnx.LoRAParam)
     target = nnx.filter_state(shardings, nnx.LoRAParam)
     moved = put(adapters, target, copy=copy, dtype=dtype)
     return dataclasses.replace(moved, tree=nnx.merge_state(base, moved.tree))
+
+
+def _put_remote(
+    tree: Any, target: RemoteTarget, copy: bool, dtype: Any, base: HostHandle | None = None
+) -> Transfer:
+    """`put` (`base` None) or `put_onto_base` onto a generation host: the params travel as
+    host arrays, and params already on that host stay where they are."""
+    start = time.perf_counter()
+    if isinstance(tree, HostHandle):
+        if tree.engine is target.engine and not copy:
+            return Transfer(tree, time.perf_counter() - start, tree.nbytes)
+        tree = _fetch(tree, adapters_only=base is not None)
+    elif base is not None:
+        tree = nnx.filter_state(tree, nnx.LoRAParam)
+    placed = target.engine.place(jax.device_get(cast(tree, dtype)), base)
+    return Transfer(placed, time.perf_counter() - start, placed.nbytes)
+
+
+def _fetch(handle: HostHandle, adapters_only: bool) -> Any:
+    try:
+        return handle.fetch(adapters_only)
+    except Exception as e:
+        raise SourceError(f"{handle.engine.name}: could not read its params ({e})") from e
 
 
 def _buffers(x: Any) -> set[int]:

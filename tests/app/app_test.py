@@ -185,8 +185,8 @@ def test_a_lora_run_trains_adapters_alone_and_exports_them_merged(tmp_path, host
     """`model.lora_rank` end to end, its engines in this process or in generation hosts of
     their own: the warm-up and RL move the adapters alone (the exported policy is the seed's
     base weights plus the checkpoint's adapters merged, in numpy), the run keeps C1-C3, and
-    in this process every publish, and every weight move after an instance's first, carries
-    the adapters alone."""
+    every weight move after an instance's first carries the adapters alone (onto generation
+    hosts too), and in this process so does every publish."""
     config = default.get_config()
     config.model.update(lora_rank=4, lora_alpha=8.0, lora_targets="q_proj,v_proj,down_proj")
     config.rollout.update(num_iterations=4, train_batch_size=8, rollout_batch_size=16,
@@ -235,16 +235,15 @@ def test_a_lora_run_trains_adapters_alone_and_exports_them_merged(tmp_path, host
             name += ".lora_A.weight" if key[-1] == "lora_a" else ".lora_B.weight"
             np.testing.assert_array_equal(adapter[name], value.T, err_msg=name)
     np.testing.assert_array_equal(written["model.embed_tokens.weight"], base.embed_tokens[...])
-    if not hosts:
-        with open(tmp_path / "metrics.jsonl") as f:
-            records = [json.loads(line) for line in f]
-        moves = sum(r.get("weight_moves", 0) for r in records)
-        moved = sum(r.get("weight_move_bytes", 0) for r in records)
-        whole = sum(x.nbytes for x in jax.tree.leaves(like))
-        adapters = sum(x.nbytes for x in jax.tree.leaves(nnx.filter_state(like, nnx.LoRAParam)))
-        first = config.runtime.num_instances
-        assert moves > first and moved == first * whole + (moves - first) * adapters
-        # Each version is published onto the base of the instance it is staged on.
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    moves = sum(r.get("weight_moves", 0) for r in records)
+    moved = sum(r.get("weight_move_bytes", 0) for r in records)
+    whole = sum(x.nbytes for x in jax.tree.leaves(like))
+    adapters = sum(x.nbytes for x in jax.tree.leaves(nnx.filter_state(like, nnx.LoRAParam)))
+    first = config.runtime.num_instances
+    assert moves > first and moved == first * whole + (moves - first) * adapters
+    if not hosts:  # each version is published onto the base of the instance it is staged on
         assert [r["publish_bytes"] for r in records] == [adapters] * len(records)
     # `dora-jax export` and `eval` restore the LoRA checkpoint onto the adapted model.
     exported = _tensors(app_lib.export_checkpoint(config, str(tmp_path)))

@@ -178,6 +178,60 @@ def test_a_bfloat16_host_holds_its_version_in_bfloat16_and_decodes_as_a_local_en
         host.close()
 
 
+def _with_trained_adapters(state: nnx.State, seed: int) -> nnx.State:
+    """`state` with random `lora_b` (zero at initialisation), as a trained LoRA version."""
+    rng = np.random.RandomState(seed)
+    flat = dict(nnx.to_flat_state(state))
+    for key, variable in flat.items():
+        if key[-1] == "lora_b":
+            flat[key] = variable.replace(jnp.asarray(rng.normal(0, 1, variable.shape), jnp.float32))
+    return nnx.from_flat_state(flat)
+
+
+def _nbytes(state: nnx.State) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(state))
+
+
+def test_lora_hosts_move_the_base_once_then_adapters_and_decode_as_a_local_engine():
+    """A generation host keeps a LoRA policy's base from its first version on: later versions,
+    from the trainer or from another host, move as their adapters alone, and the host decodes
+    what a local engine holding the whole version decodes."""
+    lora = {"lora": models.LoRAConfig(rank=2)}
+    v0 = nnx.state(models.create(MODEL, seed=0, **lora))
+    v1, v2 = _with_trained_adapters(v0, 1), _with_trained_adapters(v0, 2)
+    adapters = nnx.filter_state(v1, nnx.LoRAParam)
+    spec = hosts_lib.EngineSpec(MODEL, 0, ENGINE, model_kwargs=lora)
+    hosts = hosts_lib.start_local_hosts([spec] * 2)
+    try:
+        a, b = RolloutInstance(0, hosts[0]), RolloutInstance(1, hosts[1])
+        assert [a.load(0, v0)[1], b.load(0, v0)[1]] == [_nbytes(v0)] * 2
+        assert a.base.nbytes == _nbytes(v0) - _nbytes(adapters)
+        assert a.load(1, v1)[1] == _nbytes(adapters)  # from the trainer
+        assert b.load(1, a.params.state)[1] == _nbytes(adapters)  # from the other host
+        fetched = a.params.state.fetch(adapters_only=True)
+        for got, want in zip(jax.tree.leaves(fetched), jax.tree.leaves(adapters), strict=True):
+            np.testing.assert_array_equal(got, want)
+
+        def decode(x: RolloutInstance) -> tuple[list[int], list[float]]:
+            prompt = request_lib.PromptSpec(0, np.asarray([3, 9, 4], np.int32), (8,), True)
+            request = request_lib.Request(prompt, 0, seed=7, version=x.version)
+            x.dispatch_prefill([(request, 0)])
+            x.dispatch_generate(8)
+            assert x.collect()[0] == [request]
+            return request.tokens, request.logprobs
+
+        local = RolloutInstance(2, Engine(models.create(MODEL, seed=0, **lora), **ENGINE))
+        local.load(1, v1)
+        under_v1 = decode(local)
+        assert decode(b) == under_v1  # adapters copied from host a onto b's base
+        assert a.load(2, v2)[1] == _nbytes(adapters)
+        local.load(2, v2)
+        assert decode(a) == decode(local) != under_v1  # and the adapters matter
+    finally:
+        for host in hosts:
+            host.close()
+
+
 SILENT_HOSTS_SETTINGS = dict(max_concurrent_decodes=1, max_prefill_length=8, max_decode_length=8,
                              cache_length=16, prefill_buckets=(8,),
                              param_dtype=np.dtype("float32"))  # fmt: skip
