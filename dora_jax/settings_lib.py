@@ -355,6 +355,14 @@ _ADDED_FIELDS: dict[str, Any] = {
 }
 
 
+def _comparable(name: str, value: Any) -> Any:
+    """A run-defining value as it defines the run: LoRA's targets are a set of projections,
+    so `"v_proj,q_proj"` continues a run saved with `"q_proj, v_proj"`."""
+    if name == "model.lora_targets" and isinstance(value, str):
+        return sorted({t.strip() for t in value.split(",")})
+    return value
+
+
 def run_defining_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The config's fields as {"section.field": value} (JSON values), less those a resumed
     run may change: saved with each checkpoint, compared on resume."""
@@ -387,7 +395,7 @@ def check_same_run(
         for k in saved.keys() | now.keys()
         if k.startswith(prefixes)
         and not k.startswith(_RESUMABLE_CHANGES)  # a checkpoint may predate the exemption
-        and saved.get(k) != now.get(k)
+        and _comparable(k, saved.get(k)) != _comparable(k, now.get(k))
     )
     if differ:
         changes = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in differ)

@@ -121,6 +121,17 @@ def test_stating_what_the_architecture_implies_is_the_same_run(tmp_path):
     settings_lib.check_same_run(older, default.get_config(), str(tmp_path), prefixes=("model.",))
 
 
+def test_lora_targets_are_the_same_run_in_any_order_and_spacing(tmp_path):
+    config = default.get_config()
+    config.model.lora_targets = "q_proj, v_proj"
+    saved = settings_lib.run_defining_fields(config)
+    config.model.lora_targets = "v_proj,q_proj"
+    settings_lib.check_same_run(saved, config, str(tmp_path))
+    config.model.lora_targets = "v_proj,q_proj,o_proj"
+    with pytest.raises(ValueError, match=r"model\.lora_targets: 'q_proj, v_proj' -> 'v_proj,q_"):
+        settings_lib.check_same_run(saved, config, str(tmp_path))
+
+
 def test_a_config_without_a_field_the_app_reads_names_it():
     """A config file written before a field existed failed with a bare AttributeError (or a
     KeyError, deep in validation)."""
