@@ -12,7 +12,10 @@ the params: the optimizer's two moments per trained number, a reference policy a
 versions; LoRA's share the base. "held MB" sums every array the trainer holds; every setting
 compiles on all batches first, then they take turns, `repeats` rounds over the same batches.
 Engines sample from base + adapters unmerged (the function the trainer differentiates, C1):
-"decode ms" is one step of the bench's slots, all busy, 8 steps per engine call.
+"decode ms" is one step of the bench's slots, all busy, 8 steps per engine call. Last, weight
+moves onto a generation host in a process of its own (`runtime.generation_hosts`): a version
+from this process, `--moves` times after the host's first, whole for full fine-tuning and as
+its adapters alone for LoRA (the host keeps the base).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ cpu_flags_lib.use_cpu_devices(1)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from configs import bench_longtail  # noqa: E402
 from dora_jax import models  # noqa: E402
@@ -37,7 +41,8 @@ from dora_jax.engine import Engine, Request, SamplingParams  # noqa: E402
 from dora_jax.models import sharding_lib  # noqa: E402
 from dora_jax.rollout import bench_lib  # noqa: E402
 from dora_jax.rollout.config_lib import RolloutConfig, train_config  # noqa: E402
-from dora_jax.runtime import transfer_lib  # noqa: E402
+from dora_jax.rollout.instance_lib import RolloutInstance  # noqa: E402
+from dora_jax.runtime import hosts_lib, transfer_lib  # noqa: E402
 from dora_jax.train import Trainer  # noqa: E402
 
 
@@ -71,6 +76,25 @@ def _decode_ms(model: models.Transformer, slots: int, prompt: int, steps: int) -
     return (time.perf_counter() - start) / (steps // 8 * 8) * 1e3
 
 
+def _host_moves(
+    model_config: models.ModelConfig, lora: models.LoRAConfig | None, moves: int
+) -> tuple[list[float], int]:
+    """Seconds of each of `moves` version loads onto a generation host after its first, and
+    the bytes of the last."""
+    engine_kwargs = {"max_concurrent_decodes": 4, "max_prefill_length": 16, "max_decode_length": 8}
+    model_kwargs = {} if lora is None else {"lora": lora}
+    spec = hosts_lib.EngineSpec(model_config, 0, engine_kwargs, model_kwargs=model_kwargs)
+    (host,) = hosts_lib.start_local_hosts([spec])
+    try:
+        x = RolloutInstance(0, host)
+        version = nnx.state(models.create(model_config, seed=0, lora=lora))
+        x.load(0, version)
+        loads = [x.load(v, version) for v in range(1, moves + 1)]
+    finally:
+        host.close()
+    return [seconds for seconds, _ in loads], loads[-1][1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", default="8,32", help="LoRA ranks to compare with full")
@@ -78,6 +102,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--moves", type=int, default=10, help="weight moves onto a host")
     args = parser.parse_args()
 
     config = bench_longtail.get_config()
@@ -154,6 +179,16 @@ def main() -> None:
             f"| {name} | {trained / 1e6:.2f} | {held / 1e6:.1f} | {held / full_held:.2f}x | "
             f"{ms:.1f} | {ms / full_ms:.2f}x | {step:.2f} | {step / full_decode:.2f}x |"
         )
+
+    print()
+    print("| setting | bytes per move onto a generation host | ms (median) | vs full |")
+    print("| --- | ---: | ---: | ---: |")
+    full_move = None
+    for name, lora in settings:
+        seconds, nbytes = _host_moves(model_config, lora, args.moves)
+        ms = 1e3 * float(np.median(seconds))
+        full_move = full_move or ms
+        print(f"| {name} | {nbytes:,} | {ms:.1f} | {ms / full_move:.2f}x |")
 
 
 if __name__ == "__main__":
