@@ -164,6 +164,7 @@ class Trainer:
         self._history: dict[int, Any] = {}
         if config.tis_cap is not None:
             self._history[0] = self._on_base(self._train)
+        self._cast_bases: dict[Any, Any] = {}  # `_base` in an engine's dtype (`_base_in`)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -213,6 +214,7 @@ class Trainer:
             raise ValueError("train.kl_coef > 0, but the state to restore has no reference")
         params = transfer_lib.put(state["params"], self._shardings, copy=True).tree
         self._train, self._base = self._split(params)
+        self._cast_bases = {}
         self._opt_state = transfer_lib.put(state["opt_state"], self._opt_shardings, copy=True).tree
         if self._reference is not None:
             self._reference = self._on_base(state["reference"])
@@ -402,8 +404,12 @@ class Trainer:
         engine's copy is cast here, before it moves).
 
         `base`: a LoRA policy's frozen params, already on the target in `dtype` (a rollout
-        instance's, `RolloutInstance.base`): only the adapters are copied, onto it."""
+        instance's, `RolloutInstance.base`): only the adapters are copied, onto it. A LoRA
+        version published on the training mesh goes onto the trainer's own base (cast to
+        `dtype` once, not per version)."""
         target = self._shardings if target_shardings is None else target_shardings
+        if base is None and target_shardings is None and jax.tree.leaves(self._base):
+            base = self._base_in(dtype)
         if base is None:
             moved = transfer_lib.put(self.params, target, copy=True, dtype=dtype)
         else:
@@ -420,6 +426,13 @@ class Trainer:
         )
 
     # -- internals --------------------------------------------------------------------------
+
+    def _base_in(self, dtype: Any) -> Any:
+        """The frozen base on the training mesh in `dtype` (None: as trained). No update
+        donates it, so published versions may share its arrays."""
+        if dtype not in self._cast_bases:
+            self._cast_bases[dtype] = transfer_lib.cast(self._base, dtype)
+        return self._cast_bases[dtype]
 
     def _on_base(self, trainable: Any) -> Any:
         """Whole params: a copy of `trainable` (the reference's, a past version's) on the

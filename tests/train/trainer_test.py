@@ -330,6 +330,34 @@ def test_a_lora_version_publishes_onto_a_base_already_on_the_target_as_adapters_
     assert published.metrics["publish_bytes"] == sum(x.nbytes for x in jax.tree.leaves(adapters))
 
 
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_a_lora_version_published_on_the_training_mesh_shares_the_trainers_base(dtype):
+    """Where no instance's base is at hand (generation hosts), a LoRA version stays on the
+    training mesh as adapters on the trainer's frozen base, cast to the engines' dtype once:
+    its copy is the adapters' bytes, and it survives the next step unchanged."""
+    trainer = Trainer(create(TINY, 0, lora=LoRAConfig(rank=2)), BASE, MESH)
+    rng = np.random.RandomState(9)
+    trainer.step(_with_behaviour(trainer, random_batch(rng, 2, 4)))
+    frozen = lambda tree: jax.tree.leaves(nnx.filter_state(tree, nnx.Not(nnx.LoRAParam)))
+    adapters = nnx.state(trainer.params, nnx.LoRAParam)
+    first = trainer.publish(dtype=dtype)
+    want = [x.astype(ml_dtypes.bfloat16) if dtype else x for x in _host(trainer.params)]
+    trainer.step(_with_behaviour(trainer, random_batch(rng, 2, 4)))
+    second = trainer.publish(dtype=dtype)
+    for a, b in zip(_host(first.params), want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert all(a is b for a, b in zip(frozen(first.params), frozen(second.params), strict=True))
+    if dtype is None:  # the trainer's own base arrays
+        assert all(
+            a is b for a, b in zip(frozen(first.params), frozen(trainer.params), strict=True)
+        )
+    size = 2 if dtype else 4
+    for published in (first, second):
+        assert published.metrics["publish_bytes"] == sum(
+            x.size * size for x in jax.tree.leaves(adapters)
+        )
+
+
 def test_a_bfloat16_publish_is_the_params_rounded_and_half_the_bytes():
     """A bfloat16 engine's copy is cast on the training mesh, before it moves; the trainer keeps
     its float32 master weights."""
