@@ -14,6 +14,8 @@ with the trainer, and a turn that admits requests costs no extra host round trip
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -102,8 +104,10 @@ class RolloutInstance:
         if self._base is not None and (remote or isinstance(state, nnx.State)):
             moved = transfer_lib.put_onto_base(state, target, self._base, dtype=dtype)
         else:
+            start = time.perf_counter()
             moved = transfer_lib.put(state, target, dtype=dtype)
-            self._base = self._base_of(state, moved.tree)
+            self._base = self._base_of(state, moved.tree)  # on a host, one more round trip
+            moved = dataclasses.replace(moved, seconds=time.perf_counter() - start)
         self.params = PolicyParams(moved.tree, version=version)
         self.version = version
         return moved.seconds, moved.nbytes

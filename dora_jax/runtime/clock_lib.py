@@ -53,10 +53,17 @@ class LogicalClock:
         self._taken_up_tick = self.tick
 
     def state_dict(self) -> dict[str, int]:
-        """JSON-able. At a checkpoint barrier no batch is with the trainer, so the next one is
-        handed over at or after `tick`, and the last take-up no longer matters."""
-        return {"tick": self.tick, "timer_tick": self._timer_tick}
+        """JSON-able: a clock loaded from it goes on exactly as this one."""
+        return {
+            "tick": self.tick,
+            "timer_tick": self._timer_tick,
+            "taken_up_tick": self._taken_up_tick,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Checkpoints from before `taken_up_tick` was saved were all taken at a barrier, where
+        no batch is with the trainer: the next is handed over at or after `tick`, so 0 is as
+        good as the take-up it lost."""
         self.tick = state["tick"]
         self._timer_tick = state["timer_tick"]
+        self._taken_up_tick = state.get("taken_up_tick", 0)

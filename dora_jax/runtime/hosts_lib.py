@@ -405,6 +405,8 @@ class RemoteEngine:
         a LoRA version's adapters, merged there onto that base."""
         from dora_jax.runtime import transfer_lib
 
+        if base is not None and base.engine is not self:
+            raise ValueError(f"{self.name}: a base held by {base.engine.name} is not here")
         handle = self._handle(transfer_lib.tree_nbytes(host_tree))
         if base is None:
             self.call("load", handle.key, host_tree)

@@ -335,6 +335,35 @@ def test_an_engine_error_outside_decoding_takes_out_the_instance_and_loses_nothi
     _assert_every_sample_is_somewhere_once(rollout, trainer, str(tmp_path))
 
 
+def test_a_run_stopped_mid_decode_lists_each_unfinished_sample_with_its_length_so_far(tmp_path):
+    """The audit's dispatched lengths count what a stopped run cut off at its length so far."""
+    rollout, _, _ = make_rollout(
+        str(tmp_path), mode="dora", group_size=2, train_batch_size=4, rollout_batch_size=16,
+        num_iterations=5,
+    )  # fmt: skip
+    calls, score = itertools.count(), rollout.reward_fn
+
+    def failing(batch):
+        if next(calls) == 6:
+            raise RuntimeError("injected reward failure")
+        return score(batch)
+
+    rollout.reward_fn = failing
+    with pytest.raises(RuntimeError, match="injected reward failure"):
+        rollout.run()
+    end = ledger_lib.read(str(tmp_path))[-1]
+    keys = sorted(rollout.unfinished)
+    lengths = [len(rollout.unfinished[k].tokens) for k in keys]
+    assert end["in_flight"] == [list(k) for k in keys]
+    assert end["in_flight_response_lengths"] == lengths
+    partial = [n for k, n in zip(keys, lengths, strict=True)
+               if 0 < n < rollout.unfinished[k].max_new_tokens]  # fmt: skip
+    assert partial, lengths  # some were cut off mid-decode
+    report = audit_lib.audit(str(tmp_path))
+    assert report.rules["C2"], report.format()
+    assert report.dispatched_lengths.count == report.dispatched
+
+
 @pytest.mark.parametrize("mode", ["dora", "sync"])
 def test_a_training_step_that_raises_leaves_its_batch_untrained_in_the_ledger(tmp_path, mode):
     """The ledger writes a sample as trained once its step is done: when the trainer raises

@@ -53,19 +53,37 @@ def test_a_version_is_due_delay_steps_after_its_batch_and_the_last_take_up(delay
     assert taken == expected
 
 
-def test_restored_clock_goes_on_as_the_original():
-    a = LogicalClock(5, 3)
-    a.advance(7)
-    assert a.timer_fired()  # next multiple: 10
-    b = LogicalClock(5, 3)
+@settings(max_examples=100, deadline=None)
+@given(
+    timer_steps=st.integers(1, 8),
+    delay=st.integers(0, 8),
+    before=st.lists(st.tuples(st.integers(0, 9), st.booleans()), max_size=10),
+    after=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 40)), min_size=1, max_size=10),
+)
+def test_a_restored_clock_goes_on_as_the_original(timer_steps, delay, before, after):
+    """Any history (advances, timer checks, take-ups), saved and loaded into a fresh clock:
+    from then on both answer every question alike."""
+    a = LogicalClock(timer_steps, delay)
+    for steps, took_up in before:
+        a.advance(steps)
+        a.timer_fired()
+        if took_up:
+            a.took_up_version()
+    b = LogicalClock(timer_steps, delay)
     b.load_state_dict(a.state_dict())
-    for clock in (a, b):
-        clock.advance(2)
-    assert (a.timer_fired(), b.timer_fired()) == (False, False)  # tick 9
-    for clock in (a, b):
-        clock.advance(1)
-    assert (a.timer_fired(), b.timer_fired()) == (True, True)  # tick 10
-    assert a.version_due(7) == b.version_due(7) is True  # 7 + 3 <= 10
+    for steps, handed in after:
+        for clock in (a, b):
+            clock.advance(steps)
+        assert a.timer_fired() == b.timer_fired()
+        assert a.version_due(handed) == b.version_due(handed)
+        for clock in (a, b):
+            clock.took_up_version()
+
+
+def test_a_checkpoint_from_before_the_take_up_was_saved_loads():
+    clock = LogicalClock(4, 2)
+    clock.load_state_dict({"tick": 9, "timer_tick": 12})
+    assert clock.version_due(7) is True and clock.version_due(8) is False
 
 
 @pytest.mark.parametrize(

@@ -211,6 +211,8 @@ def test_lora_hosts_move_the_base_once_then_adapters_and_decode_as_a_local_engin
         fetched = a.params.state.fetch(adapters_only=True)
         for got, want in zip(jax.tree.leaves(fetched), jax.tree.leaves(adapters), strict=True):
             np.testing.assert_array_equal(got, want)
+        with pytest.raises(ValueError, match="a base held by host0 is not here"):
+            hosts[1].place(fetched, a.base)
 
         def decode(x: RolloutInstance) -> tuple[list[int], list[float]]:
             prompt = request_lib.PromptSpec(0, np.asarray([3, 9, 4], np.int32), (8,), True)
