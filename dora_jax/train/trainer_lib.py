@@ -396,7 +396,11 @@ class Trainer:
         return metrics
 
     def publish(
-        self, target_shardings: Any | None = None, dtype: Any = None, base: Any | None = None
+        self,
+        target_shardings: Any | None = None,
+        dtype: Any = None,
+        base: Any | None = None,
+        adapters_only: bool = False,
     ) -> Published:
         """Ends the iteration: version v -> v + 1; returns a copy of the params placed on
         `target_shardings` (e.g. `sharding_lib.param_shardings(trainer.params, gen_mesh)`),
@@ -406,7 +410,8 @@ class Trainer:
         `base`: a LoRA policy's frozen params, already on the target in `dtype` (a rollout
         instance's, `RolloutInstance.base`): only the adapters are copied, onto it. A LoRA
         version published on the training mesh goes onto the trainer's own base (cast to
-        `dtype` once, not per version)."""
+        `dtype` once, not per version). `adapters_only`: the copy holds a LoRA version's
+        adapters alone (what a training group gathers once the controller holds the base)."""
         target = self._shardings if target_shardings is None else target_shardings
         if base is None and target_shardings is None and jax.tree.leaves(self._base):
             base = self._base_in(dtype)
@@ -420,7 +425,7 @@ class Trainer:
             oldest = self._version - self.config.max_staleness
             self._history = {v: p for v, p in self._history.items() if v >= oldest}
         return Published(
-            moved.tree,
+            nnx.filter_state(moved.tree, nnx.LoRAParam) if adapters_only else moved.tree,
             self._version,
             {"publish_seconds": moved.seconds, "publish_bytes": float(moved.nbytes)},
         )
@@ -620,6 +625,8 @@ class MirroredTrainer:
 
     def __init__(self, trainer: Any):  # a training_hosts_lib.Mirrored of a Trainer
         self._trainer = trainer
+        # A LoRA policy's frozen base as host arrays, per published dtype, once gathered.
+        self._host_bases: dict[Any, Any] = {}
 
     @property
     def version(self) -> int:
@@ -635,6 +642,7 @@ class MirroredTrainer:
 
     def restore(self, state: dict[str, Any]) -> None:
         self._trainer.call("restore", jax.device_get(state))
+        self._host_bases = {}
 
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         return self._trainer.call("step", list(trajectories))
@@ -643,7 +651,18 @@ class MirroredTrainer:
         self, target_shardings: Any | None = None, dtype: Any = None, base: Any | None = None
     ) -> Published:
         """As `Trainer.publish`; with `target_shardings` None the version stays on host. Each
-        process casts its part to `dtype` before it is gathered."""
-        return publish_from_host(
-            lambda: self._trainer.call("publish", None, dtype), target_shardings, dtype, base
-        )
+        process casts its part to `dtype` before it is gathered. A LoRA policy's base is
+        gathered with its first version only: later versions gather their adapters, which go
+        onto that host copy here."""
+
+        def publish() -> tuple[Any, int, dict[str, float]]:
+            host_base = self._host_bases.get(dtype)
+            if host_base is None:
+                params, version, metrics = self._trainer.call("publish", None, dtype)
+                if nnx.filter_state(params, nnx.LoRAParam):
+                    self._host_bases[dtype] = nnx.filter_state(params, nnx.Not(nnx.LoRAParam))
+                return params, version, metrics
+            adapters, version, metrics = self._trainer.call("publish", None, dtype, None, True)
+            return nnx.merge_state(host_base, adapters), version, metrics
+
+        return publish_from_host(publish, target_shardings, dtype, base)

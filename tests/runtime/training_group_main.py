@@ -15,7 +15,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "train"))
 
-from train_fixtures import random_batch, tiny_model  # noqa: E402
+from train_fixtures import TINY, random_batch, tiny_model  # noqa: E402
 
 from dora_jax.runtime import cpu_flags_lib, training_hosts_lib  # noqa: E402
 from dora_jax.train import TrainConfig, Trainer  # noqa: E402
@@ -47,6 +47,37 @@ def train(trainer, batches) -> dict[str, np.ndarray]:
     out["v2_again"] = _flat(trainer.publish().params)
     out["version"] = np.int64(trainer.version)
     return out
+
+
+def lora_model():
+    from dora_jax.models import LoRAConfig, create
+
+    return create(TINY, 0, lora=LoRAConfig(rank=2))
+
+
+def train_lora(trainer) -> dict[str, np.ndarray]:
+    """Two LoRA iterations: every published version whole, the bytes of the second's copy
+    (its adapters alone), and whether the two share their base arrays (a training group
+    gathered the base once)."""
+    from flax import nnx
+
+    out, published = {}, []
+    for i, batch in enumerate(batches(), start=1):
+        trainer.step(batch)
+        published.append(trainer.publish())
+        out[f"lora_v{i}"] = _flat(published[-1].params)
+    out["lora_publish_bytes"] = np.float64(published[-1].metrics["publish_bytes"])
+    first, second = (nnx.filter_state(p.params, nnx.Not(nnx.LoRAParam)) for p in published)
+    out["lora_base_shared"] = np.bool_(
+        all(a is b for a, b in zip(_leaves(first), _leaves(second), strict=True))
+    )
+    return out
+
+
+def _leaves(tree) -> list:
+    import jax
+
+    return jax.tree.leaves(tree)
 
 
 def _flat(tree) -> np.ndarray:
@@ -92,6 +123,10 @@ def main(path: str, host: str | None) -> None:
         out["host_arrays"] = np.bool_(
             all(type(x) is np.ndarray for x in jax.tree.leaves(published))
         )
+        if host is None:  # a LoRA policy: the base is gathered once, then adapters alone
+            graphdef, state = nnx.split(lora_model())
+            lora = MirroredTrainer(group.make(factory, graphdef, jax.device_get(state)))
+            out.update(train_lora(lora))
         np.savez(path, **out)
     finally:
         group.close()

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 import training_group_main as group_main
+from flax import nnx
 from train_fixtures import tiny_model
 
 from dora_jax.models import sharding_lib
@@ -63,3 +64,11 @@ def test_group_trainer_matches_one_process_on_the_same_mesh(tmp_path, host):
     # The updates are real (the params moved) and restore is exact on the group.
     assert np.abs(group["v2"] - group["v1"]).max() > 1e-4
     np.testing.assert_array_equal(group["v2_again"], group["v2"])
+    if host == "child":  # LoRA: the second version gathered as adapters, merged onto the base
+        lora = group_main.train_lora(Trainer(group_main.lora_model(), group_main.CONFIG, mesh))
+        for key in ("lora_v1", "lora_v2"):
+            np.testing.assert_allclose(group[key], lora[key], rtol=1e-5, atol=1e-7, err_msg=key)
+        assert np.abs(group["lora_v2"] - group["lora_v1"]).max() > 1e-4
+        assert group["lora_base_shared"]  # gathered once, then each version's adapters
+        adapters = nnx.filter_state(nnx.state(group_main.lora_model()), nnx.LoRAParam)
+        assert group["lora_publish_bytes"] == sum(x.nbytes for x in jax.tree.leaves(adapters))
