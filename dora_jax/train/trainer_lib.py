@@ -413,19 +413,31 @@ class Trainer:
         `dtype` once, not per version). `adapters_only`: the copy holds a LoRA version's
         adapters alone (what a training group gathers once the controller holds the base)."""
         target = self._shardings if target_shardings is None else target_shardings
-        if base is None and target_shardings is None and jax.tree.leaves(self._base):
-            base = self._base_in(dtype)
-        if base is None:
-            moved = transfer_lib.put(self.params, target, copy=True, dtype=dtype)
+        lora = bool(jax.tree.leaves(self._base))
+        if adapters_only:
+            if not lora:
+                raise ValueError("adapters_only publishes a LoRA policy's adapters; it has none")
+            self._cast_bases.clear()  # published for a holder of the base: none needed here
+            adapters = nnx.filter_state(self.params, nnx.LoRAParam)
+            moved = transfer_lib.put(
+                adapters, nnx.filter_state(target, nnx.LoRAParam), copy=True, dtype=dtype
+            )
         else:
-            moved = transfer_lib.put_onto_base(self.params, target, base, copy=True, dtype=dtype)
+            if base is None and target_shardings is None and lora:
+                base = self._base_in(dtype)
+            if base is None:
+                moved = transfer_lib.put(self.params, target, copy=True, dtype=dtype)
+            else:
+                moved = transfer_lib.put_onto_base(
+                    self.params, target, base, copy=True, dtype=dtype
+                )
         self._version += 1
         if self.config.tis_cap is not None:
             self._history[self._version] = self._on_base(self._train)
             oldest = self._version - self.config.max_staleness
             self._history = {v: p for v, p in self._history.items() if v >= oldest}
         return Published(
-            nnx.filter_state(moved.tree, nnx.LoRAParam) if adapters_only else moved.tree,
+            moved.tree,
             self._version,
             {"publish_seconds": moved.seconds, "publish_bytes": float(moved.nbytes)},
         )
@@ -435,9 +447,10 @@ class Trainer:
     def _base_in(self, dtype: Any) -> Any:
         """The frozen base on the training mesh in `dtype` (None: as trained). No update
         donates it, so published versions may share its arrays."""
-        if dtype not in self._cast_bases:
-            self._cast_bases[dtype] = transfer_lib.cast(self._base, dtype)
-        return self._cast_bases[dtype]
+        key = _dtype_key(dtype)
+        if key not in self._cast_bases:
+            self._cast_bases[key] = transfer_lib.cast(self._base, dtype)
+        return self._cast_bases[key]
 
     def _on_base(self, trainable: Any) -> Any:
         """Whole params: a copy of `trainable` (the reference's, a past version's) on the
@@ -611,6 +624,12 @@ def _apply(
     )
 
 
+def _dtype_key(dtype: Any) -> Any:
+    """One key per dtype however it is spelled (`jnp.bfloat16` and `np.dtype("bfloat16")` are
+    equal but hash apart)."""
+    return None if dtype is None else np.dtype(dtype)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _logprobs(fn: Functional, params: Any, tokens, positions, targets) -> jax.Array:
     logits = fn.forward(params, tokens, positions).logits
@@ -656,11 +675,14 @@ class MirroredTrainer:
         onto that host copy here."""
 
         def publish() -> tuple[Any, int, dict[str, float]]:
-            host_base = self._host_bases.get(dtype)
+            host_base = self._host_bases.get(_dtype_key(dtype))
             if host_base is None:
                 params, version, metrics = self._trainer.call("publish", None, dtype)
                 if nnx.filter_state(params, nnx.LoRAParam):
-                    self._host_bases[dtype] = nnx.filter_state(params, nnx.Not(nnx.LoRAParam))
+                    frozen = nnx.filter_state(params, nnx.Not(nnx.LoRAParam))
+                    self._host_bases[_dtype_key(dtype)] = frozen
+                # What the group gathered: the whole version (the trainer copied adapters).
+                metrics = {**metrics, "publish_bytes": float(transfer_lib.tree_nbytes(params))}
                 return params, version, metrics
             adapters, version, metrics = self._trainer.call("publish", None, dtype, None, True)
             return nnx.merge_state(host_base, adapters), version, metrics

@@ -56,9 +56,9 @@ def lora_model():
 
 
 def train_lora(trainer) -> dict[str, np.ndarray]:
-    """Two LoRA iterations: every published version whole, the bytes of the second's copy
-    (its adapters alone), and whether the two share their base arrays (a training group
-    gathered the base once)."""
+    """Two LoRA iterations: every published version whole, the bytes of each (a group's first
+    gathers the whole version, the second its adapters alone), and whether the two share their
+    base arrays (a training group gathered the base once)."""
     from flax import nnx
 
     out, published = {}, []
@@ -67,6 +67,7 @@ def train_lora(trainer) -> dict[str, np.ndarray]:
         published.append(trainer.publish())
         out[f"lora_v{i}"] = _flat(published[-1].params)
     out["lora_publish_bytes"] = np.float64(published[-1].metrics["publish_bytes"])
+    out["lora_first_publish_bytes"] = np.float64(published[0].metrics["publish_bytes"])
     first, second = (nnx.filter_state(p.params, nnx.Not(nnx.LoRAParam)) for p in published)
     out["lora_base_shared"] = np.bool_(
         all(a is b for a, b in zip(_leaves(first), _leaves(second), strict=True))

@@ -72,3 +72,5 @@ def test_group_trainer_matches_one_process_on_the_same_mesh(tmp_path, host):
         assert group["lora_base_shared"]  # gathered once, then each version's adapters
         adapters = nnx.filter_state(nnx.state(group_main.lora_model()), nnx.LoRAParam)
         assert group["lora_publish_bytes"] == sum(x.nbytes for x in jax.tree.leaves(adapters))
+        whole = nnx.state(group_main.lora_model())
+        assert group["lora_first_publish_bytes"] == sum(x.nbytes for x in jax.tree.leaves(whole))

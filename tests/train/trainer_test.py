@@ -343,7 +343,7 @@ def test_a_lora_version_published_on_the_training_mesh_shares_the_trainers_base(
     first = trainer.publish(dtype=dtype)
     want = [x.astype(ml_dtypes.bfloat16) if dtype else x for x in _host(trainer.params)]
     trainer.step(_with_behaviour(trainer, random_batch(rng, 2, 4)))
-    second = trainer.publish(dtype=dtype)
+    second = trainer.publish(dtype=dtype and np.dtype(dtype))  # the same dtype, spelled apart
     for a, b in zip(_host(first.params), want, strict=True):
         np.testing.assert_array_equal(a, b)
     assert all(a is b for a, b in zip(frozen(first.params), frozen(second.params), strict=True))
@@ -356,6 +356,21 @@ def test_a_lora_version_published_on_the_training_mesh_shares_the_trainers_base(
         assert published.metrics["publish_bytes"] == sum(
             x.size * size for x in jax.tree.leaves(adapters)
         )
+
+
+def test_an_adapters_only_publish_copies_the_adapters_alone():
+    """What a training group gathers once the controller holds the base."""
+    trainer = Trainer(create(TINY, 0, lora=LoRAConfig(rank=2)), BASE, MESH)
+    trainer.step(_with_behaviour(trainer, random_batch(np.random.RandomState(3), 2, 4)))
+    adapters = nnx.state(trainer.params, nnx.LoRAParam)
+    published = trainer.publish(dtype=jnp.bfloat16, adapters_only=True)
+    assert published.version == 1
+    assert jax.tree.structure(published.params) == jax.tree.structure(adapters)
+    for a, b in zip(_host(published.params), _host(adapters), strict=True):
+        np.testing.assert_array_equal(a, b.astype(ml_dtypes.bfloat16))
+    assert published.metrics["publish_bytes"] == sum(x.size * 2 for x in jax.tree.leaves(adapters))
+    with pytest.raises(ValueError, match="adapters_only publishes a LoRA policy's adapters"):
+        Trainer(tiny_model(), BASE, MESH).publish(adapters_only=True)
 
 
 def test_a_bfloat16_publish_is_the_params_rounded_and_half_the_bytes():
