@@ -10,6 +10,7 @@ TensorBoard events, trace and checkpoints left in the workdir. The config is che
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from dora_jax import models
+from dora_jax.config_fields_lib import ConfigError
 from dora_jax.engine import Engine
 from dora_jax.models import sharding_lib
 from dora_jax.observe import metrics_lib, plots_lib, progress_lib
@@ -32,6 +34,7 @@ from dora_jax.settings_lib import (
     DTYPES,
     MODEL_SHAPE_FIELDS,
     Settings,
+    check_inputs,
     check_same_run,
     engine_sampling,
     lora_config,
@@ -64,19 +67,22 @@ def start_training_hosts(config: ml_collections.ConfigDict) -> training_hosts_li
     field = "runtime.training_hosts"
     value = config.runtime.get("training_hosts", "")
     if not isinstance(value, str):
-        raise ValueError(f"{field}={value!r}: expected '', 'local:N' or HOST:PORT,...")
+        raise ConfigError(f"{field}={value!r}: expected '', 'local:N' or HOST:PORT,...")
     if not value:
         return None
     if value.startswith("local:"):
         count = value.removeprefix("local:")
         if not count.isdigit() or int(count) < 1:
-            raise ValueError(f"{field}={value!r}: 'local:N' needs a count N >= 1")
+            raise ConfigError(f"{field}={value!r}: 'local:N' needs a count N >= 1")
         return training_hosts_lib.start_local(int(count))
     addresses = [a.strip() for a in value.split(",")]
-    for address in addresses:
-        hosts_lib.parse_address(address, field)
+    try:
+        for address in addresses:
+            hosts_lib.parse_address(address, field)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if not config.runtime.coordinator:
-        raise ValueError(
+        raise ConfigError(
             f"runtime.coordinator: network training hosts ({field}={value!r}) need this "
             "machine's HOST:PORT for the group's coordination service"
         )
@@ -271,7 +277,7 @@ def train_and_evaluate(
     if "://" in workdir:
         # Checkpoints would go there through orbax, the ledger, metrics and trace to a local
         # directory named after it, and a resume on another machine would find no ledger.
-        raise ValueError(
+        raise ConfigError(
             f"workdir {workdir!r}: a local directory is needed (mount a bucket with gcsfuse)"
         )
     start = time.perf_counter()
@@ -291,6 +297,7 @@ def _train_and_evaluate(
     start: float,
 ) -> dict[str, Any]:
     settings = validate(config)
+    check_inputs(config)
     os.makedirs(workdir, exist_ok=True)
     data = load_task(config)
     runner = reward_runner(config)
@@ -298,6 +305,12 @@ def _train_and_evaluate(
     latest = checkpointer.latest_step()
     if latest is not None:  # before anything of the saved run is restored or cut back
         check_same_run(checkpointer.read_meta(latest).get("config"), config, workdir)
+        if latest > settings.rollout.num_iterations:
+            raise ConfigError(
+                f"{workdir} holds a run at version {latest}, past "
+                f"rollout.num_iterations={settings.rollout.num_iterations}: ask for more to "
+                "continue it (`dora-jax eval` scores it as it is)"
+            )
     model = load_policy(config, data.tokenizer.vocab_size, settings.plan.train_mesh)
     if latest is None:
         model = warm_up(config, model, data, settings.plan.train_mesh, progress, group)
@@ -422,7 +435,8 @@ def _train_and_evaluate(
         display.close()  # gives the terminal its cursor back
         writer.close()
         checkpointer.close()  # waits for a save in flight, which would otherwise be lost
-    rl_seconds = time.perf_counter() - rl_start
+    rl_end = time.perf_counter()
+    rl_seconds = rl_end - rl_start
 
     trained = trainer.params
     if pending_eval.get("eval/version") == trainer.version:  # scored at the last barrier
@@ -443,7 +457,8 @@ def _train_and_evaluate(
         "heldout_after": after,
         "sft_seconds": meta["sft_seconds"],
         "rl_seconds": rl_seconds,
-        "wall_time_s": time.perf_counter() - start,
+        # The run's over every invocation: warm-up and first held-out pass, RL, this ending.
+        "wall_time_s": meta["sft_seconds"] + rl_seconds + time.perf_counter() - rl_end,
         "trained_tokens_per_s": trained_tokens / max(rl_seconds, 1e-9),
         "rollout_totals": dict(rollout.totals),
         "reward_counters": reward.metrics(),
@@ -458,11 +473,16 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
     """`dora-jax eval`: held-out pass@1 / pass@k of the newest checkpoint in `workdir` (or of
     the starting policy when there is none yet)."""
     settings = validate(config)
-    _check_workdir(workdir, "an existing directory without checkpoints evaluates the start")
+    _check_workdir(workdir)
+    check_inputs(config)
     data = load_task(config)
     model = load_policy(config, data.tokenizer.vocab_size, settings.plan.train_mesh)
     engine = make_engines(config, model, settings.plan, data.tokenizer.eos_ids)[0]
     step, saved = _checkpoint_params(config, settings, workdir, model)
+    if step is None:
+        logging.warning(
+            "%s holds no checkpoint: scoring the policy a run would start from", workdir
+        )
     params = engine.load_params(version=0) if step is None else engine.shard_params(saved, step)
     runner = reward_runner(config)
     scores = evaluate(engine, params, heldout_records(config, data), config, runner, data.tokenizer)
@@ -481,12 +501,13 @@ def export_checkpoint(
     `model.dtype`, with `model.checkpoint`'s tokenizer and generation files); returns its path,
     by default `WORKDIR/hf_policy_v<version>`."""
     settings = validate(config)
-    _check_workdir(workdir, "a training run's workdir")
+    _check_workdir(workdir)
+    check_inputs(config)
     data = load_task(config)
     model = load_policy(config, data.tokenizer.vocab_size, settings.plan.train_mesh)
     step, params = _checkpoint_params(config, settings, workdir, model, version)
     if step is None:
-        raise FileNotFoundError(f"{workdir} holds no checkpoint to export")
+        raise ConfigError(f"{workdir} holds no checkpoint to export")
     nnx.update(model, params)
     out = out or os.path.join(workdir, f"hf_policy_v{step}")
     _save_policy(config, model, out)
@@ -503,11 +524,9 @@ def _save_policy(config: ml_collections.ConfigDict, model: models.Transformer, o
         models.save_adapter(model, os.path.join(out, models.hf_io.ADAPTER_DIR), base=source)
 
 
-def _check_workdir(workdir: str, expected: str) -> None:
+def _check_workdir(workdir: str) -> None:
     if not os.path.isdir(workdir):
-        raise FileNotFoundError(
-            f"--workdir={workdir} does not exist: name a training run's workdir ({expected})"
-        )
+        raise ConfigError(f"--workdir={workdir} does not exist: name a training run's workdir")
 
 
 def _checkpoint_params(
@@ -525,7 +544,7 @@ def _checkpoint_params(
     try:
         steps = checkpointer.all_steps()
         if step is not None and step not in steps:
-            raise ValueError(f"{workdir} has no checkpoint of version {step}; it has {steps}")
+            raise ConfigError(f"{workdir} has no checkpoint of version {step}; it has {steps}")
         step = step if step is not None else (steps[-1] if steps else None)
         if step is None:
             return None, None

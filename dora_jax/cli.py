@@ -13,11 +13,14 @@ Every command keeps its compiled programs in JAX's persistent cache (`compilatio
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from dora_jax.config_fields_lib import ConfigError
 from dora_jax.runtime import compile_cache_lib, cpu_flags_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
@@ -38,7 +41,8 @@ def _config(command: str):
         logging.set_verbosity(logging.WARNING)
     for name in _HOST_FLAGS:
         if flags.FLAGS[name].present:  # ignored here: the config's field decides
-            sys.exit(f"--{name} is `dora-jax host`'s flag; here set --config.{name} instead")
+            instead = f"set --config.{name}" if name in _CONFIG_FIELDS else "the config decides"
+            sys.exit(f"--{name} is `dora-jax host`'s flag; here {instead} instead")
     for name in _EXPORT_FLAGS:
         if command != "export" and flags.FLAGS[name].present:
             sys.exit(f"--{name} is `dora-jax export`'s flag, not `{command}`'s")
@@ -110,8 +114,9 @@ _CACHE_DIR = flags.DEFINE_string(
     compile_cache_lib.DEFAULT_DIRECTORY,
     "`host`: JAX's persistent compilation cache ('' = off).",
 )
-# The other commands take these from their config (`--config.num_cpu_devices=...`).
 _HOST_FLAGS = ("address", "num_cpu_devices", "compilation_cache_dir")
+# The other commands take these from their config (`--config.num_cpu_devices=...`).
+_CONFIG_FIELDS = ("num_cpu_devices", "compilation_cache_dir")
 
 
 def _host(argv: list[str]) -> None:
@@ -128,13 +133,44 @@ def _host(argv: list[str]) -> None:
     hosts_lib.listen(_ADDRESS.value)
 
 
+def _without_traceback(command: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
+    """A `ConfigError` (a bad field, flag or workdir, refused at start) ends the command with
+    its message alone; anything else that goes wrong keeps its traceback."""
+
+    @functools.wraps(command)
+    def run(argv: list[str]) -> None:
+        try:
+            command(argv)
+        except ConfigError as e:
+            sys.exit(f"dora-jax: {e}")
+
+    return run
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing, plus a clear line for an override of a field the config lacks, which
+    ml_collections raises as an AttributeError or a KeyError (with its own "did you mean"
+    hint)."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (AttributeError, KeyError) as e:
+        reason: object = e
+        while isinstance(reason, BaseException) and reason.args:  # a KeyError inside
+            reason = reason.args[0]
+        hint = str(reason).replace("\n", "; ")
+        sys.exit(f"dora-jax: a --config override names no field of the config: {hint}")
+
+
 COMMANDS = {
-    "train": _train,
-    "eval": _eval,
-    "export": _export,
-    "audit": _audit,
-    "bench": _bench,
-    "host": _host,
+    name: _without_traceback(command)
+    for name, command in {
+        "train": _train,
+        "eval": _eval,
+        "export": _export,
+        "audit": _audit,
+        "bench": _bench,
+        "host": _host,
+    }.items()
 }
 
 
@@ -147,7 +183,7 @@ def run() -> None:
         sys.exit(0)
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
         sys.exit(f"usage: dora-jax {{{'|'.join(COMMANDS)}}} [--config=configs/default.py] ...")
-    app.run(COMMANDS[sys.argv.pop(1)])
+    app.run(COMMANDS[sys.argv.pop(1)], flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,11 @@ from typing import Any
 import ml_collections
 
 
+class ConfigError(ValueError):
+    """Bad input that a run is refused for at start (a config field, a flag, the workdir): the
+    CLI prints its message alone, since a traceback would bury the field it names."""
+
+
 def as_integer(value: Any) -> int | None:
     """`value` as an int if it is an integer of any kind (Python, NumPy), else None."""
     if isinstance(value, bool):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from dora_jax import models
-from dora_jax.config_fields_lib import check_integer_fields, check_timeout
+from dora_jax.config_fields_lib import ConfigError, check_integer_fields, check_timeout
 from dora_jax.data import BAD_ROW_MODES, LongTailTask, make_template
 from dora_jax.engine import SamplingParams
 from dora_jax.models import lora_lib
@@ -127,7 +128,17 @@ _MINIMA = {
 
 
 def validate(config: ml_collections.ConfigDict) -> Settings:
-    """Checks the whole config before any heavy work; errors name the offending field."""
+    """Checks the whole config before any heavy work; errors (`ConfigError`) name the
+    offending field."""
+    try:
+        return _validate(config)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from e
+
+
+def _validate(config: ml_collections.ConfigDict) -> Settings:
     _check_field_names(config)
     if config.model.dtype not in DTYPES:
         raise ValueError(f"model.dtype={config.model.dtype!r}: expected one of {list(DTYPES)}")
@@ -165,7 +176,9 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
     if config.data.template != "chat":  # a chat template is the checkpoint's, checked on load
         _named("data.template: ", lambda: make_template(config.data.template))
     if config.data.source == "longtail":
-        longtail_task(config)  # its errors name their task.* field
+        task = longtail_task(config)  # its errors name their task.* field
+        if config.data.template != "chat":
+            _check_builtin_prompt_length(config, task)
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "seed": config.seed})
     train = train_config(rollout, config.train)
     reward_runner(config)  # a bad reward fails here, not mid-run (its workers start later)
@@ -187,6 +200,28 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
     return Settings(
         rollout=rollout, train=train, plan=plan, generation_hosts=hosts, overlong=overlong
     )
+
+
+def check_inputs(config: ml_collections.ConfigDict) -> None:
+    """Refuses a run whose input files are missing, naming the field, before it writes
+    anything: a valid config may name files of another machine (a recipe's), so `validate`
+    cannot."""
+    for field in ("train_files", "heldout_files"):
+        missing = [p for p in _paths(config.data[field]) if not os.path.isfile(p)]
+        if config.data.source == "files" and missing:
+            raise ConfigError(f"data.{field}: {', '.join(missing)} does not exist")
+    if config.model.checkpoint and not os.path.isfile(
+        os.path.join(config.model.checkpoint, "config.json")
+    ):
+        raise ConfigError(
+            f"model.checkpoint={config.model.checkpoint!r}: not a Hugging Face model directory "
+            "(it has no config.json)"
+        )
+
+
+def _paths(files: str) -> list[str]:
+    """A comma-separated list of data files, as `data.*_files` holds them."""
+    return [p.strip() for p in files.split(",") if p.strip()] if files else []
 
 
 def _check_field_names(config: ml_collections.ConfigDict) -> None:
@@ -264,6 +299,19 @@ def stop_strings(config: ml_collections.ConfigDict) -> tuple[str, ...]:
             "('</answer>',)"
         )
     return tuple(value)
+
+
+def _check_builtin_prompt_length(config: ml_collections.ConfigDict, task: LongTailTask) -> None:
+    """The built-in task's prompts all have one length: too long for `data.max_prompt_len`,
+    every one would be skipped, found only after the warm-up."""
+    template = make_template(config.data.template)
+    prompt = template.render(task.problem(0, 1, 1)["prompt"])
+    tokens = task.tokenizer().encode(prompt, add_special_tokens=not template.writes_special_tokens)
+    if len(tokens) > config.data.max_prompt_len:
+        raise ValueError(
+            f"data.max_prompt_len={config.data.max_prompt_len}: the built-in task's prompts "
+            f"take {len(tokens)} tokens (with data.template)"
+        )
 
 
 def longtail_task(config: ml_collections.ConfigDict) -> LongTailTask:
@@ -399,7 +447,7 @@ def check_same_run(
     )
     if differ:
         changes = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in differ)
-        raise ValueError(
+        raise ConfigError(
             f"{workdir} holds a run saved under another config ({changes}); continue it with "
             "the same settings, or start this one in a new workdir"
         )

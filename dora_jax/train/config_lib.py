@@ -166,7 +166,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: Any) -> TrainConfig:
         """From `config.train` (a dict or ConfigDict); unknown keys are an error."""
-        return from_fields(cls, d, "train config")
+        return from_fields(cls, d, "train")
 
 
 # Set from the rollout config (`rollout.config_lib.train_config`), never in `config.train`.
@@ -181,7 +181,7 @@ def config_section(**values: Any) -> ml_collections.ConfigDict:
 
 
 def _fail(field: str, why: str) -> None:
-    raise ValueError(f"train config field {field!r}: {why}")
+    raise ValueError(f"train.{field}: {why}")
 
 
 def _counts(config: TrainConfig, least: int, *names: str) -> None:

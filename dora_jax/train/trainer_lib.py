@@ -120,9 +120,7 @@ class Trainer:
         reference_model: Transformer | None = None,
     ):
         if config.kl_coef > 0 and reference_model is None:
-            raise ValueError(
-                f"train config field 'kl_coef': {config.kl_coef} needs a reference_model"
-            )
+            raise ValueError(f"train.kl_coef: {config.kl_coef} needs a reference_model")
         self.config = config
         self.mesh = mesh
         self._fn, params = Functional.of(model)

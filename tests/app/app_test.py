@@ -20,6 +20,7 @@ from flax import nnx
 
 from configs import default
 from dora_jax import app_lib, models, settings_lib
+from dora_jax.config_fields_lib import ConfigError
 from dora_jax.data import LongTailTask
 from dora_jax.observe import metrics_lib
 from dora_jax.rollout import audit_lib, ledger_lib
@@ -45,6 +46,10 @@ def test_resuming_under_another_config_is_refused_before_the_ledger_is_cut(tmp_p
         app_lib.train_and_evaluate(config, str(tmp_path), progress=False)
     assert ledger.read_text() == '{"event": "start"}\n{"event": "dispatch"}\n'
     config.rollout.group_size = 8
+    config.rollout.num_iterations = 2  # fewer than the saved run's: nothing to continue
+    with pytest.raises(ConfigError, match=r"at version 3, past rollout\.num_iterations=2"):
+        app_lib.train_and_evaluate(config, str(tmp_path), progress=False)
+    assert ledger.read_text() == '{"event": "start"}\n{"event": "dispatch"}\n'
     config.reward.update(isolation="thread", workers=8)  # how rewards run, not what they score
     config.train.remat = "full"  # what the backward pass keeps: the same math
     settings_lib.check_same_run(meta["config"], config, str(tmp_path))  # nothing that defines it
@@ -82,20 +87,31 @@ def test_hosts_on_other_machines_take_no_devices_here(monkeypatch):
 
 
 def test_eval_refuses_a_workdir_that_does_not_exist(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(ConfigError, match="does not exist"):
         app_lib.evaluate_checkpoint(default.get_config(), str(tmp_path / "no_such_run"))
     assert not (tmp_path / "no_such_run").exists()
 
 
-def test_cli_reports_a_bad_field_and_exits_non_zero():
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("--config.rollout.group_size=7", "rollout.train_batch_size=64: must be a multiple of"),
+        ("--config.rollout.mdoe=dora", "names no field of the config: 'mdoe'; Did you mean"),
+        ("--config.data.source=files", "data.train_files must name at least one file"),
+        ("--config.model.checkpoint=/no/such/model", "not a Hugging Face model directory"),
+    ],
+)
+def test_cli_reports_a_bad_field_in_one_line_and_exits_non_zero(tmp_path, override, says):
+    """A refused config is its message alone: a traceback would bury the field it names."""
     result = subprocess.run(
-        [sys.executable, "-m", "dora_jax.cli", "train", "--config=configs/default.py",
-         "--config.rollout.group_size=7", "--workdir=/tmp/never_written"],
+        [sys.executable, "-m", "dora_jax.cli", "train", "--config=configs/default.py", override,
+         f"--workdir={tmp_path / 'run'}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert result.returncode != 0
-    assert "rollout.train_batch_size" in result.stderr
-    assert not os.path.exists("/tmp/never_written/ledger.jsonl")
+    assert result.returncode == 1
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert line.startswith("dora-jax: ") and says in line, result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_cli_help_lists_its_flags_and_host_flags_are_refused_elsewhere():

@@ -10,6 +10,7 @@ import pytest
 
 from configs import default
 from dora_jax import settings_lib
+from dora_jax.config_fields_lib import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -119,6 +120,18 @@ def test_stating_what_the_architecture_implies_is_the_same_run(tmp_path):
     settings_lib.check_same_run(saved, config, str(tmp_path))
     older = {**saved, "model.qk_norm": True}
     settings_lib.check_same_run(older, default.get_config(), str(tmp_path), prefixes=("model.",))
+
+
+def test_a_max_prompt_len_too_short_for_the_builtin_task_is_refused_at_start():
+    config = default.get_config()
+    config.data.max_prompt_len = 6  # "s+d>t=": six characters, a token each
+    settings_lib.validate(config)
+    config.data.max_prompt_len = 5
+    with pytest.raises(ConfigError, match=r"data\.max_prompt_len=5: .* take 6 tokens"):
+        settings_lib.validate(config)
+    config.data.update(max_prompt_len=8, template="Q: {prompt}")
+    with pytest.raises(ConfigError, match=r"data\.max_prompt_len=8: .* take 9 tokens"):
+        settings_lib.validate(config)
 
 
 def test_lora_targets_are_the_same_run_in_any_order_and_spacing(tmp_path):

@@ -67,5 +67,5 @@ def test_user_estimator_is_selectable_by_name():
 
 
 def test_unknown_estimator_names_the_field():
-    with pytest.raises(ValueError, match="'advantage'"):
+    with pytest.raises(ValueError, match=r"^train\.advantage: "):
         TrainConfig(advantage="nope")

@@ -43,7 +43,7 @@ def test_from_config_dict():
     ],
 )
 def test_impossible_values_name_the_field(overrides, field):
-    with pytest.raises(ValueError, match=f"'{field}'"):
+    with pytest.raises(ValueError, match=rf"^train\.{field}: "):
         TrainConfig(**overrides)
 
 

@@ -226,5 +226,5 @@ def test_sample_weights_modes():
 
 
 def test_unknown_loss_names_the_field():
-    with pytest.raises(ValueError, match="'loss'"):
+    with pytest.raises(ValueError, match=r"^train\.loss: "):
         TrainConfig(loss="ppo")
