@@ -41,8 +41,12 @@ def _config(command: str):
         logging.set_verbosity(logging.WARNING)
     for name in _HOST_FLAGS:
         if flags.FLAGS[name].present:  # ignored here: the config's field decides
-            instead = f"set --config.{name}" if name in _CONFIG_FIELDS else "the config decides"
-            sys.exit(f"--{name} is `dora-jax host`'s flag; here {instead} instead")
+            instead = (
+                f"here set --config.{name} instead"
+                if name in _CONFIG_FIELDS
+                else "a controller names its hosts in runtime.generation_hosts/training_hosts"
+            )
+            sys.exit(f"--{name} is `dora-jax host`'s flag; {instead}")
     for name in _EXPORT_FLAGS:
         if command != "export" and flags.FLAGS[name].present:
             sys.exit(f"--{name} is `dora-jax export`'s flag, not `{command}`'s")
