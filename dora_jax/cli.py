@@ -14,7 +14,9 @@ Every command keeps its compiled programs in JAX's persistent cache (`compilatio
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import traceback
 from collections.abc import Callable
 
 from absl import app, flags, logging
@@ -53,7 +55,11 @@ def _config(command: str):
     config = _CONFIG.value
     if config is None:
         sys.exit("--config=configs/<name>.py is required")
-    cpu_flags_lib.use_cpu_devices(config.num_cpu_devices)
+    try:
+        num_cpu_devices = config.num_cpu_devices
+    except OSError as e:  # ml_collections defers a config file it could not read to here
+        raise ConfigError(f"--config: {e}") from e
+    cpu_flags_lib.use_cpu_devices(num_cpu_devices)
     compile_cache_lib.use_compilation_cache(config.compilation_cache_dir)
     return config
 
@@ -137,6 +143,10 @@ def _host(argv: list[str]) -> None:
     hosts_lib.listen(_ADDRESS.value)
 
 
+# ml_collections' module that applies `--config.a.b=` overrides to the loaded config.
+_APPLYING_OVERRIDES = os.path.join("config_flags", "config_path.py")
+
+
 def _without_traceback(command: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
     """A `ConfigError` (a bad field, flag or workdir, refused at start) ends the command with
     its message alone; anything else that goes wrong keeps its traceback."""
@@ -154,10 +164,14 @@ def _without_traceback(command: Callable[[list[str]], None]) -> Callable[[list[s
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's parsing, plus a clear line for an override of a field the config lacks, which
     ml_collections raises as an AttributeError or a KeyError (with its own "did you mean"
-    hint)."""
+    hint) from where it applies overrides. The same errors from anywhere else (a config file's
+    own bug) keep their traceback."""
     try:
         return app.parse_flags_with_usage(argv)
     except (AttributeError, KeyError) as e:
+        frames = traceback.extract_tb(e.__traceback__)
+        if not any(f.filename.endswith(_APPLYING_OVERRIDES) for f in frames):
+            raise
         reason: object = e
         while isinstance(reason, BaseException) and reason.args:  # a KeyError inside
             reason = reason.args[0]

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -135,7 +136,19 @@ def validate(config: ml_collections.ConfigDict) -> Settings:
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
+        if not _raised_by_dora_jax(e):
+            raise  # a bug in user code the config names (a reward module): its traceback
         raise ConfigError(str(e)) from e
+
+
+def _raised_by_dora_jax(e: BaseException) -> bool:
+    """Whether `e` comes from this package's own checks, which name the field they refuse,
+    rather than from code they call into (a user's reward module, a library)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_PACKAGE + os.sep)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _validate(config: ml_collections.ConfigDict) -> Settings:
@@ -173,6 +186,10 @@ def _validate(config: ml_collections.ConfigDict) -> Settings:
     _named("engine.", lambda: engine_sampling(config))
     _named("eval.", lambda: eval_sampling(config))
     stop_strings(config)
+    if config.data.template == "chat" and not config.model.checkpoint:
+        raise ValueError(
+            "data.template='chat' needs model.checkpoint: the chat template is the checkpoint's"
+        )
     if config.data.template != "chat":  # a chat template is the checkpoint's, checked on load
         _named("data.template: ", lambda: make_template(config.data.template))
     if config.data.source == "longtail":

@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 
 from dora_jax import models
-from dora_jax.config_fields_lib import check_integer_fields
+from dora_jax.config_fields_lib import ConfigError, check_integer_fields
 from dora_jax.engine import Engine
 from dora_jax.engine.request_lib import Request as EngineRequest
 from dora_jax.rollout import audit_lib, ledger_lib, request_lib, telemetry_lib
@@ -313,15 +313,18 @@ def run_bench(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict
     n of the host's cores and this process (controller and engines) keeps the rest, for the run
     only (`cpu_cores_lib`); 0 leaves everything in this process, on every core.
     """
-    configs = rollout_configs(config)
-    check_integer_fields(config, {"repeats": 1, "warmup_iterations": 0, "engine.slots": 1})
-    for rollout_config in configs.values():  # a bad train field fails now, not after compiling
-        train_config(rollout_config, config.train)
-    runtime = config.runtime.to_dict()
-    if runtime.pop("generation_hosts") not in ("", "local"):
-        raise ValueError("runtime.generation_hosts: the bench runs '' or 'local' hosts only")
-    train_cpu_cores = runtime.pop("train_cpu_cores", 0)
-    plan = plan_devices(**runtime)
+    try:  # every field is checked before anything is built or compiled
+        configs = rollout_configs(config)
+        check_integer_fields(config, {"repeats": 1, "warmup_iterations": 0, "engine.slots": 1})
+        for rollout_config in configs.values():
+            train_config(rollout_config, config.train)
+        runtime = config.runtime.to_dict()
+        if runtime.pop("generation_hosts") not in ("", "local"):
+            raise ValueError("runtime.generation_hosts: the bench runs '' or 'local' hosts only")
+        train_cpu_cores = runtime.pop("train_cpu_cores", 0)
+        plan = plan_devices(**runtime)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if not train_cpu_cores:
         return _run_bench(config, workdir, configs, plan, None)
     train_cores, rollout_cores = cpu_cores_lib.split(train_cpu_cores)

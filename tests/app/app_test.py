@@ -99,6 +99,7 @@ def test_eval_refuses_a_workdir_that_does_not_exist(tmp_path):
         ("--config.rollout.mdoe=dora", "names no field of the config: 'mdoe'; Did you mean"),
         ("--config.data.source=files", "data.train_files must name at least one file"),
         ("--config.model.checkpoint=/no/such/model", "not a Hugging Face model directory"),
+        ("--config.data.template=chat", "data.template='chat' needs model.checkpoint"),
     ],
 )
 def test_cli_reports_a_bad_field_in_one_line_and_exits_non_zero(tmp_path, override, says):
@@ -112,6 +113,27 @@ def test_cli_reports_a_bad_field_in_one_line_and_exits_non_zero(tmp_path, overri
     (line,) = [line for line in result.stderr.splitlines() if line.strip()]
     assert line.startswith("dora-jax: ") and says in line, result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_cli_keeps_the_traceback_of_a_bug_in_user_code(tmp_path):
+    """Only refusals are one line: an error raised in a config file or a reward module the
+    config names is a bug to debug, shown with its traceback."""
+    (tmp_path / "broken_config.py").write_text("def get_config():\n    return {}['x']\n")
+    (tmp_path / "broken_reward.py").write_text(
+        "LIMIT = int('1e3')\n\ndef score(prompt, response, answer):\n    return 0.0\n"
+    )
+    command = [sys.executable, "-m", "dora_jax.cli", "train", f"--workdir={tmp_path / 'run'}"]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    for args, error in [
+        ([f"--config={tmp_path / 'broken_config.py'}"], "KeyError: 'x'"),
+        (["--config=configs/default.py", "--config.reward.name=broken_reward:score"],
+         "ValueError: invalid literal for int()"),
+    ]:  # fmt: skip
+        result = subprocess.run(command + args, cwd=ROOT, env=env, capture_output=True,
+                                text=True, timeout=300)  # fmt: skip
+        assert result.returncode == 1
+        assert "Traceback" in result.stderr and error in result.stderr, result.stderr[-2000:]
+        assert "dora-jax: " not in result.stderr
 
 
 def test_cli_help_lists_its_flags_and_host_flags_are_refused_elsewhere():
