@@ -457,7 +457,8 @@ def _train_and_evaluate(
         "heldout_after": after,
         "sft_seconds": meta["sft_seconds"],
         "rl_seconds": rl_seconds,
-        # The run's over every invocation: warm-up and first held-out pass, RL, this ending.
+        # The run's, summed over its invocations: the warm-up and first held-out pass, RL,
+        # and this ending (a resume's own start-up, loading and restoring, is left out).
         "wall_time_s": meta["sft_seconds"] + rl_seconds + time.perf_counter() - rl_end,
         "trained_tokens_per_s": trained_tokens / max(rl_seconds, 1e-9),
         "rollout_totals": dict(rollout.totals),
