@@ -22,7 +22,7 @@ import ml_collections
 
 from dora_jax import models
 from dora_jax.config_fields_lib import ConfigError, check_integer_fields, check_timeout
-from dora_jax.data import BAD_ROW_MODES, LongTailTask, make_template
+from dora_jax.data import BAD_ROW_MODES, LongTailTask, file_list, make_template, prompt_tokens
 from dora_jax.engine import SamplingParams
 from dora_jax.models import lora_lib
 from dora_jax.rewards import RewardRunner, get_reward
@@ -224,7 +224,7 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
     anything: a valid config may name files of another machine (a recipe's), so `validate`
     cannot."""
     for field in ("train_files", "heldout_files"):
-        missing = [p for p in _paths(config.data[field]) if not os.path.isfile(p)]
+        missing = [p for p in file_list(config.data[field]) if not os.path.isfile(p)]
         if config.data.source == "files" and missing:
             raise ConfigError(f"data.{field}: {', '.join(missing)} does not exist")
     if config.model.checkpoint and not os.path.isfile(
@@ -234,11 +234,6 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
             f"model.checkpoint={config.model.checkpoint!r}: not a Hugging Face model directory "
             "(it has no config.json)"
         )
-
-
-def _paths(files: str) -> list[str]:
-    """A comma-separated list of data files, as `data.*_files` holds them."""
-    return [p.strip() for p in files.split(",") if p.strip()] if files else []
 
 
 def _check_field_names(config: ml_collections.ConfigDict) -> None:
@@ -322,8 +317,7 @@ def _check_builtin_prompt_length(config: ml_collections.ConfigDict, task: LongTa
     """The built-in task's prompts all have one length: too long for `data.max_prompt_len`,
     every one would be skipped, found only after the warm-up."""
     template = make_template(config.data.template)
-    prompt = template.render(task.problem(0, 1, 1)["prompt"])
-    tokens = task.tokenizer().encode(prompt, add_special_tokens=not template.writes_special_tokens)
+    tokens = prompt_tokens(task.tokenizer(), template, task.problem(0, 1, 1)["prompt"])
     if len(tokens) > config.data.max_prompt_len:
         raise ValueError(
             f"data.max_prompt_len={config.data.max_prompt_len}: the built-in task's prompts "

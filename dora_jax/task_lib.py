@@ -19,6 +19,7 @@ import numpy as np
 from dora_jax.data import (
     LongTailTask,
     Tokenizer,
+    file_list,
     load_tokenizer,
     make_template,
     memory_rows,
@@ -55,8 +56,8 @@ def load_task(config: ml_collections.ConfigDict) -> TaskData:
     fields = (config.data.prompt_field, config.data.answer_field)
     heldout = None
     if config.data.heldout_files:
-        heldout = open_files(config.data.heldout_files.split(","), fields)
-    train = open_files(config.data.train_files.split(","), fields)
+        heldout = open_files(file_list(config.data.heldout_files), fields)
+    train = open_files(file_list(config.data.train_files), fields)
     return TaskData(load_tokenizer(config.model.checkpoint), train, heldout, [], None)
 
 

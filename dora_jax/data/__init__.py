@@ -7,8 +7,9 @@ from dora_jax.data.pipeline_lib import (
     NoUsableRowsError,
     PromptIterator,
     prompt_dataset,
+    prompt_tokens,
 )
-from dora_jax.data.source_lib import RowSource, memory_rows, open_files
+from dora_jax.data.source_lib import RowSource, file_list, memory_rows, open_files
 from dora_jax.data.template_lib import ChatTemplate, FormatTemplate, PromptTemplate, make_template
 from dora_jax.data.tokenizer_lib import Tokenizer, char_tokenizer, load_tokenizer
 
@@ -24,10 +25,12 @@ __all__ = [
     "RowSource",
     "Tokenizer",
     "char_tokenizer",
+    "file_list",
     "length_stats",
     "load_tokenizer",
     "make_template",
     "memory_rows",
     "open_files",
     "prompt_dataset",
+    "prompt_tokens",
 ]

@@ -90,6 +90,14 @@ def _fields(payload: Any, prompt_field: str, answer_field: str) -> tuple[str, st
     return _text(payload[prompt_field], prompt_field), _text(answer, answer_field)
 
 
+def prompt_tokens(tokenizer: Tokenizer, template: PromptTemplate, prompt: str) -> list[int]:
+    """A prompt's tokens as the pipeline gives them to the engine: rendered by `template`, with
+    the tokenizer's special tokens unless the template writes its own."""
+    return tokenizer.encode(
+        template.render(prompt), add_special_tokens=not template.writes_special_tokens
+    )
+
+
 class _Prepare:
     """The map step: a `Row` -> a prompt record, or a bad-row marker (never an exception)."""
 
@@ -109,10 +117,7 @@ class _Prepare:
     def __call__(self, index: int, row: Row) -> dict:
         try:
             prompt, answer = _fields(row.payload, self.prompt_field, self.answer_field)
-            tokens = self.tokenizer.encode(
-                self.template.render(prompt),
-                add_special_tokens=not self.template.writes_special_tokens,
-            )
+            tokens = prompt_tokens(self.tokenizer, self.template, prompt)
             if not tokens:  # the engine cannot prefill a prompt without a token
                 raise _Bad(
                     "empty_prompt",

@@ -106,6 +106,12 @@ class RowSource:
         return Row(index, self._names[f], local, self._readers[f][local])
 
 
+def file_list(value: str) -> list[str]:
+    """The paths of a config's comma-separated file list (`data.train_files`), spaces around
+    each dropped."""
+    return [p.strip() for p in value.split(",") if p.strip()]
+
+
 def open_files(paths: Sequence[str | Path], fields: Sequence[str]) -> RowSource:
     """Opens data files by extension; `fields` are the columns Parquet needs to read."""
     if not paths:

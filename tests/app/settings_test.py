@@ -134,6 +134,23 @@ def test_a_max_prompt_len_too_short_for_the_builtin_task_is_refused_at_start():
         settings_lib.validate(config)
 
 
+def test_missing_input_files_are_named_by_field_and_spaces_in_lists_are_dropped(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"prompt": "p", "answer": "a"}\n')
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    config = default.get_config()
+    config.data.update(source="files", train_files=f"{tmp_path / 'a.jsonl'} , ")
+    config.model.checkpoint = str(tmp_path / "model")
+    settings_lib.check_inputs(config)
+    config.data.heldout_files = f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"
+    with pytest.raises(ConfigError, match=r"^data\.heldout_files: .*b\.jsonl does not exist$"):
+        settings_lib.check_inputs(config)
+    config.data.heldout_files = ""
+    config.model.checkpoint = str(tmp_path)
+    with pytest.raises(ConfigError, match=r"^model\.checkpoint=.*no config\.json"):
+        settings_lib.check_inputs(config)
+
+
 def test_lora_targets_are_the_same_run_in_any_order_and_spacing(tmp_path):
     config = default.get_config()
     config.model.lora_targets = "q_proj, v_proj"
