@@ -64,6 +64,14 @@ def trainable_filter(model: nnx.Module) -> Any:
     return nnx.LoRAParam if getattr(model, "lora", None) is not None else nnx.Param
 
 
+def frozen_base(params: Any) -> Any | None:
+    """The frozen part of a LoRA policy's params (an nnx.State), None for a policy without
+    adapters: what a holder keeps once, since every version of a run shares it."""
+    if not nnx.filter_state(params, nnx.LoRAParam):
+        return None
+    return nnx.filter_state(params, nnx.Not(nnx.LoRAParam))
+
+
 def merged_kernel(kernel: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
     """W + scale * A B in float32, in `kernel`'s dtype: the plain kernel that computes what the
     adapted projection does."""

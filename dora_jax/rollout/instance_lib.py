@@ -24,6 +24,7 @@ from flax import nnx
 from dora_jax.engine.request_lib import FinishReason
 from dora_jax.engine.request_lib import Request as EngineRequest
 from dora_jax.engine.slots_lib import PolicyParams
+from dora_jax.models import lora_lib
 from dora_jax.rollout.request_lib import Request
 from dora_jax.runtime import transfer_lib
 from dora_jax.runtime.hosts_lib import RemoteTarget
@@ -117,9 +118,8 @@ class RolloutInstance:
         generation host, `placed` is a handle, so whether the policy has adapters is read from
         `state`, known only where it came from this process."""
         if isinstance(placed, nnx.State):
-            if nnx.filter_state(placed, nnx.LoRAParam):
-                return nnx.filter_state(placed, nnx.Not(nnx.LoRAParam))
-        elif isinstance(state, nnx.State) and nnx.filter_state(state, nnx.LoRAParam):
+            return lora_lib.frozen_base(placed)
+        if isinstance(state, nnx.State) and lora_lib.frozen_base(state) is not None:
             return self.engine.keep_base(placed)
         return None
 

@@ -5,12 +5,12 @@ Time is logical, counted in decode steps (`runtime.clock_lib`). Each loop turn r
 trainer's steps run on a worker thread, which also makes each new version's copy for the
 instances; the version is taken up at the first turn `publish_delay_steps` decode steps after
 its batch was handed over, or after the previous version was taken up if that was later (or at
-once if rollout has nothing left to do). So every
-decision depends on step counts, completions and versions only, and the same config and seed
-give the same ledger. The trainer holds up to `TRAINER_QUEUE` batches, so it starts its next
-step as soon as one ends rather than when the controller next takes a version up. The
-wall-clock overlap comes from JAX's asynchronous dispatch: every instance's decode steps are
-enqueued before any token is read back, and the trainer computes on its own mesh meanwhile.
+once if rollout has nothing left to do). So every decision depends on step counts, completions
+and versions only, and the same config and seed give the same ledger. The trainer holds up to
+`TRAINER_QUEUE` batches, so it starts its next step as soon as one ends rather than when the
+controller next takes a version up. The wall-clock overlap comes from JAX's asynchronous
+dispatch: every instance's decode steps are enqueued before any token is read back, and the
+trainer computes on its own mesh meanwhile.
 
 The paradigm (`paradigms_lib`) decides what to dispatch and which instance hosts which version;
 this module does the mechanics: dispatch, admission into slots, decode, finish, migrate, load

@@ -153,14 +153,14 @@ def _keep_base(engine, held, base, params):
     """Keeps the frozen base of a LoRA policy's held params under `base`, so that later
     versions come as adapters (`_load_onto`); returns its bytes, or None where the params hold
     no adapters."""
-    from flax import nnx
-
+    from dora_jax.models import lora_lib
     from dora_jax.runtime import transfer_lib
 
-    if not nnx.filter_state(held[params], nnx.LoRAParam):
+    frozen = lora_lib.frozen_base(held[params])
+    if frozen is None:
         return None
-    held[base] = nnx.filter_state(held[params], nnx.Not(nnx.LoRAParam))
-    return transfer_lib.tree_nbytes(held[base])
+    held[base] = frozen
+    return transfer_lib.tree_nbytes(frozen)
 
 
 def _load_onto(engine, held, handle, base, host_adapters):

@@ -676,8 +676,8 @@ class MirroredTrainer:
             host_base = self._host_bases.get(_dtype_key(dtype))
             if host_base is None:
                 params, version, metrics = self._trainer.call("publish", None, dtype)
-                if nnx.filter_state(params, nnx.LoRAParam):
-                    frozen = nnx.filter_state(params, nnx.Not(nnx.LoRAParam))
+                frozen = lora_lib.frozen_base(params)
+                if frozen is not None:
                     self._host_bases[_dtype_key(dtype)] = frozen
                 # What the group gathered: the whole version (the trainer copied adapters).
                 metrics = {**metrics, "publish_bytes": float(transfer_lib.tree_nbytes(params))}
