@@ -157,8 +157,11 @@ def _validate(config: ml_collections.ConfigDict) -> Settings:
         raise ValueError(f"model.dtype={config.model.dtype!r}: expected one of {list(DTYPES)}")
     if config.data.source not in ("longtail", "files"):
         raise ValueError(f"data.source={config.data.source!r}: expected 'longtail' or 'files'")
-    if config.data.source == "files" and not config.data.train_files:
-        raise ValueError("data.train_files must name at least one file when data.source='files'")
+    if config.data.source == "files" and not file_list(config.data.train_files):
+        raise ValueError(
+            f"data.train_files={config.data.train_files!r} must name at least one file when "
+            "data.source='files'"
+        )
     if config.data.source == "files" and not config.model.checkpoint:
         raise ValueError(
             "model.checkpoint must name a Hugging Face model directory when data.source='files' "

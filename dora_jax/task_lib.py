@@ -54,9 +54,8 @@ def load_task(config: ml_collections.ConfigDict) -> TaskData:
         )
         return TaskData(task.tokenizer(), memory_rows(train, "longtail"), heldout, demos, task)
     fields = (config.data.prompt_field, config.data.answer_field)
-    heldout = None
-    if config.data.heldout_files:
-        heldout = open_files(file_list(config.data.heldout_files), fields)
+    heldout_files = file_list(config.data.heldout_files)
+    heldout = open_files(heldout_files, fields) if heldout_files else None
     train = open_files(file_list(config.data.train_files), fields)
     return TaskData(load_tokenizer(config.model.checkpoint), train, heldout, [], None)
 

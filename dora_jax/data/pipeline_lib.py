@@ -133,8 +133,8 @@ class _Prepare:
                 )
         except _Bad as bad:
             # `index` (the position in the repeated stream) tells the iterator where epochs end.
-            return {"bad": bad.reason, "file": row.file, "row": row.row, "field": bad.field,
-                    "detail": bad.detail, "index": index}  # fmt: skip
+            return {"bad": bad.reason, "file": row.file, "position": row.position,
+                    "field": bad.field, "detail": bad.detail, "index": index}  # fmt: skip
         epoch = index // self.num_rows
         return {
             "prompt_id": epoch * self.num_rows + row.index,
@@ -174,7 +174,7 @@ class PromptIterator(grain.DatasetIterator):
             if "bad" not in element:
                 self._last_good_epoch = element["prompt_id"] // self._num_rows
                 return element
-            where = f"{element['file']} row {element['row']} field {element['field']!r}"
+            where = f"{element['file']} {element['position']} field {element['field']!r}"
             if self._on_bad_row == "error":
                 raise BadRowError(f"bad data row: {where}: {element['detail']}")
             self.skipped[element["bad"]] += 1

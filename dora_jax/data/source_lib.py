@@ -35,6 +35,13 @@ class Row:
     file: str
     row: int  # row number within `file`, 0-based
     payload: Any  # bytes (JSONL, ArrayRecord) or dict (Parquet, memory)
+    is_line: bool = False  # a JSONL line, so `position` gives its (1-based) line number
+
+    @property
+    def position(self) -> str:
+        """Where the row is in its file, as the user's tools count: an editor's line number, or
+        a table's row number from 0 (pandas' `iloc`)."""
+        return f"line {self.row + 1}" if self.is_line else f"row {self.row} (from 0)"
 
 
 _BOM = b"\xef\xbb\xbf"
@@ -103,7 +110,8 @@ class RowSource:
             raise IndexError(index)
         f = bisect.bisect_right(self._starts, index) - 1
         local = index - self._starts[f]
-        return Row(index, self._names[f], local, self._readers[f][local])
+        reader = self._readers[f]
+        return Row(index, self._names[f], local, reader[local], isinstance(reader, _JsonlReader))
 
 
 def file_list(value: str) -> list[str]:

@@ -142,6 +142,10 @@ def test_missing_input_files_are_named_by_field_and_spaces_in_lists_are_dropped(
     config.data.update(source="files", train_files=f"{tmp_path / 'a.jsonl'} , ")
     config.model.checkpoint = str(tmp_path / "model")
     settings_lib.check_inputs(config)
+    config.data.train_files = " , ,"
+    with pytest.raises(ValueError, match=r"data\.train_files=' , ,' must name at least one"):
+        settings_lib.validate(config)
+    config.data.train_files = str(tmp_path / "a.jsonl")
     config.data.heldout_files = f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"
     with pytest.raises(ConfigError, match=r"^data\.heldout_files: .*b\.jsonl does not exist$"):
         settings_lib.check_inputs(config)

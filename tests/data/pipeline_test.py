@@ -155,15 +155,18 @@ def test_bad_rows_are_skipped_counted_and_logged_with_their_row(tmp_path, caplog
     for _, reason, _ in BAD:
         expected[reason] = expected.get(reason, 0) + 1
     assert it.skipped == expected
+    # A JSONL row is named by its line, as an editor shows the file (rows 3.. are lines 4..);
+    # a record file's by its record number from 0.
     for row, (_, _, field) in enumerate(BAD, start=3):
-        assert any(f"{path} row {row} field {field}" in m for m in caplog.messages)
+        position = f"line {row + 1}" if suffix == "jsonl" else f"row {row} (from 0)"
+        assert any(f"{path} {position} field {field}" in m for m in caplog.messages)
 
 
 @pytest.mark.parametrize("raw,reason,field", BAD)
 def test_error_mode_stops_naming_file_row_and_field(tmp_path, raw, reason, field):
     path = write_jsonl(tmp_path / "d.jsonl", [raw])
     ds = dataset(open_files([path], ["prompt", "answer"]), max_prompt_len=40, on_bad_row="error")
-    with pytest.raises(BadRowError, match=f"{path} row 0 field {field}"):
+    with pytest.raises(BadRowError, match=f"{path} line 1 field {field}"):
         list(ds)
 
 
@@ -177,6 +180,10 @@ def test_parquet_nulls_missing_columns_and_binary_text(tmp_path):
     it = iter(dataset(open_files([nulls, no_answer, binary], ["prompt", "answer"])))
     assert sorted(r["row"] for r in it) == [0, 3]
     assert it.skipped == {"missing_field": 2, "undecodable": 1}
+    # A table's rows are named from 0, as pandas' iloc counts them.
+    ds = dataset(open_files([nulls], ["prompt", "answer"]), num_epochs=1, on_bad_row="error")
+    with pytest.raises(BadRowError, match=rf"{nulls} row 1 \(from 0\) field 'prompt'"):
+        list(ds)
 
 
 def test_custom_field_names_and_numeric_answers(tmp_path):

@@ -61,7 +61,7 @@ def test_empty_prompt_is_skipped_and_counted_under_its_own_reason(tmp_path):
 def test_empty_prompt_under_error_mode_names_file_row_and_field(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD, {"prompt": "", "answer": "1"}])
     ds = dataset(open_files([path], ["prompt", "answer"]), num_epochs=1, on_bad_row="error")
-    with pytest.raises(BadRowError, match=f"{path} row 1 field 'prompt'.*empty"):
+    with pytest.raises(BadRowError, match=f"{path} line 2 field 'prompt'.*empty"):
         list(ds)
 
 
