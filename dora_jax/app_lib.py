@@ -298,8 +298,8 @@ def _train_and_evaluate(
 ) -> dict[str, Any]:
     settings = validate(config)
     check_inputs(config)
-    os.makedirs(workdir, exist_ok=True)
     data = load_task(config)
+    os.makedirs(workdir, exist_ok=True)
     runner = reward_runner(config)
     checkpointer = _checkpointer(config, workdir)
     latest = checkpointer.latest_step()

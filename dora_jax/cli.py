@@ -148,14 +148,21 @@ _APPLYING_OVERRIDES = os.path.join("config_flags", "config_path.py")
 
 
 def _without_traceback(command: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
-    """A `ConfigError` (a bad field, flag or workdir, refused at start) ends the command with
-    its message alone; anything else that goes wrong keeps its traceback."""
+    """A `ConfigError` (a bad field, flag, input file or workdir, refused at start) or a stop by
+    the data policy (a bad row under `data.on_bad_row=error`, or no usable row in a whole pass)
+    ends the command with its message alone, which names the field or the file and row; anything
+    else that goes wrong keeps its traceback."""
 
     @functools.wraps(command)
     def run(argv: list[str]) -> None:
         try:
             command(argv)
-        except ConfigError as e:
+        except Exception as e:
+            # Imported here: the data pipeline imports jax, which the command sets up first.
+            from dora_jax.data.pipeline_lib import BadRowError, NoUsableRowsError
+
+            if not isinstance(e, ConfigError | BadRowError | NoUsableRowsError):
+                raise
             sys.exit(f"dora-jax: {e}")
 
     return run

@@ -16,6 +16,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from dora_jax.config_fields_lib import ConfigError
 from dora_jax.data import (
     LongTailTask,
     Tokenizer,
@@ -53,11 +54,20 @@ def load_task(config: ml_collections.ConfigDict) -> TaskData:
             seed=config.seed,
         )
         return TaskData(task.tokenizer(), memory_rows(train, "longtail"), heldout, demos, task)
-    fields = (config.data.prompt_field, config.data.answer_field)
-    heldout_files = file_list(config.data.heldout_files)
-    heldout = open_files(heldout_files, fields) if heldout_files else None
-    train = open_files(file_list(config.data.train_files), fields)
+    heldout = _open_field(config, "heldout_files") if file_list(config.data.heldout_files) else None
+    train = _open_field(config, "train_files")
     return TaskData(load_tokenizer(config.model.checkpoint), train, heldout, [], None)
+
+
+def _open_field(config: ml_collections.ConfigDict, field: str) -> Any:
+    """The rows of `data.<field>`'s files; a file that cannot be read as data (empty, of an
+    unknown format, unreadable) refuses the run, naming the field."""
+    try:
+        return open_files(
+            file_list(config.data[field]), (config.data.prompt_field, config.data.answer_field)
+        )
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.{field}: {e}") from e
 
 
 class PromptStream:

@@ -7,7 +7,9 @@ config's `reward.options` (e.g. the `format` reward's `pattern`) and are bound o
 
 Built-ins: `exact_match`, `math` (math-verify), `format`. Anything else is a user function given
 by dotted path, `"package.module:function"` or `"package.module.function"`, or registered with
-`@register_reward("name")` in a module the user imports.
+`@register_reward("name")` in a module the user imports. A module in the directory the command
+runs in is found, as `python -m` would find it: the installed `dora-jax` script's own path
+holds only its `bin` directory.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +54,8 @@ def _from_path(path: str) -> RewardFn:
             f"reward {path!r} is neither a registered reward {registered_rewards()} "
             "nor a dotted path 'package.module:function'"
         )
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # last: an installed module of the same name comes first
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:

@@ -19,9 +19,10 @@ import pytest
 from flax import nnx
 
 from configs import default
-from dora_jax import app_lib, models, settings_lib
+from dora_jax import app_lib, cli, models, settings_lib
 from dora_jax.config_fields_lib import ConfigError
 from dora_jax.data import LongTailTask
+from dora_jax.data.pipeline_lib import BadRowError, NoUsableRowsError
 from dora_jax.observe import metrics_lib
 from dora_jax.rollout import audit_lib, ledger_lib
 from dora_jax.runtime import hosts_lib
@@ -349,6 +350,46 @@ def test_held_out_scores_during_rl_are_those_of_the_checkpoint_they_name(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, contents, says",
+    [("heldout.jsonl", "", r"data files .*heldout\.jsonl.* hold no rows"),
+     ("heldout.csv", "prompt,answer\n", "heldout.csv: unknown format '.csv'")],
+)  # fmt: skip
+def test_a_data_file_that_is_no_data_is_refused_naming_the_field_before_the_workdir(
+    tmp_path, name, contents, says
+):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / name).write_text(contents)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    config = default.get_config()
+    config.model.checkpoint = str(tmp_path / "model")
+    config.data.update(source="files", train_files=str(tmp_path / "train.jsonl"),
+                       heldout_files=str(tmp_path / name))  # fmt: skip
+    with pytest.raises(ConfigError, match=rf"^data\.heldout_files: .*{says}"):
+        app_lib.train_and_evaluate(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("error", [BadRowError, NoUsableRowsError, ConfigError])
+def test_a_stop_by_the_data_policy_is_one_line_like_a_refusal(error):
+    """A bad row under `data.on_bad_row=error` names its file, line and field: a traceback
+    through grain's iterators buried it."""
+
+    def command(argv):
+        raise error("d.jsonl line 3 field 'prompt': prompt is empty")
+
+    with pytest.raises(SystemExit) as stopped:
+        cli._without_traceback(command)([])
+    assert stopped.value.code == "dora-jax: d.jsonl line 3 field 'prompt': prompt is empty"
+
+    def buggy(argv):
+        raise ValueError("a bug")
+
+    with pytest.raises(ValueError, match="a bug"):  # anything else keeps its traceback
+        cli._without_traceback(buggy)([])
+
+
 def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
     task = LongTailTask()
     checkpoint = tmp_path / "policy"

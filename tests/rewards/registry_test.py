@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -101,6 +102,15 @@ def test_user_functions_by_dotted_path_with_options():
     dotted = get_reward("reward_helpers.length_reward", scale=2.0)
     assert colon("abc", "") == 3.0
     assert dotted("abc", "") == 6.0
+
+
+def test_a_module_in_the_working_directory_is_found_without_it_on_the_path(tmp_path, monkeypatch):
+    # The installed `dora-jax` script starts with its bin directory on the path, not the cwd.
+    (tmp_path / "my_cwd_reward.py").write_text("def score(c, a):\n    return 0.5\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert get_reward("my_cwd_reward:score")("x", "y") == 0.5
+    assert sys.path[-1] == str(tmp_path)  # after the installed packages, which win
 
 
 def test_register_reward_decorator():
