@@ -4,6 +4,8 @@ The resumed run must end with the ledger an uninterrupted run writes (byte for b
 orchestrator decides from logical events and seeds only), and the audit must pass on it. The
 uninterrupted run compiles everything itself (no compilation cache); the killed runs share a
 cache that starts cold, so the same bytes also show that a loaded executable changes nothing.
+Rewards differ within groups from the first step, so every version is another model and a resume
+that decoded or trained with the wrong version's weights would write other tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dora_jax.rollout import audit_lib
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = [
     "--config.sft.steps=30",
+    "--config.reward.name=app_rewards:even_length",
     "--config.rollout.num_iterations=6",
     "--config.rollout.train_batch_size=16",
     "--config.rollout.rollout_batch_size=32",
@@ -39,8 +42,9 @@ def _start(workdir: pathlib.Path, cache: pathlib.Path | None) -> subprocess.Pope
     command = [sys.executable, "-m", "dora_jax.cli", "train", "--config=configs/default.py",
                f"--workdir={workdir}", f"--config.compilation_cache_dir={cache or ''}",
                *TINY]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "app")}  # the reward's module
     log = open(workdir.parent / f"{workdir.name}.log", "ab")  # noqa: SIM115
-    return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _finish(workdir: pathlib.Path, cache: pathlib.Path | None) -> None:
@@ -89,3 +93,5 @@ def test_sigkill_at_random_points_then_resume_loses_nothing(tmp_path):
         assert (workdir / "ledger.jsonl").read_bytes() == expected
         # Cumulative counters continue from the checkpoint: per step, as in one straight run.
         assert _reward_counters(workdir) == _reward_counters(reference)
+    losses = [r["train/loss"] for r in metrics_lib.read_metrics(str(reference))]
+    assert all(loss != 0 for loss in losses), losses  # every step moved the policy
