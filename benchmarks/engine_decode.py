@@ -7,7 +7,9 @@ A decode step costs about the same whatever the number of active slots (every sl
 computed), so tokens/s grows with the slots kept full: the intra-instance bubble that DORA's
 slot refilling removes. Each call ends with a device-to-host copy of its tokens, as continuous
 batching does; `generate_steps` runs several steps per call, which saves the host's per-call
-cost (`rollout.decode_steps_per_turn`). Prints markdown tables.
+cost (`rollout.decode_steps_per_turn`). A prefill runs the model once per distinct prompt, so a
+GRPO group's G samples admitted together cost one prompt's prefill: the last table admits every
+slot with G samples of each prompt. Prints markdown tables.
 """
 
 from __future__ import annotations
@@ -101,6 +103,24 @@ def _prefill_row(engine, params, rng, rows: int, prompt: int, repeats: int) -> f
     return rows * prompt * repeats / (time.perf_counter() - start)
 
 
+def _group_prefill_ms(engine, params, rng, group: int, prompt: int, repeats: int) -> float:
+    """ms per call admitting every slot: slots / group prompts, `group` samples of each."""
+    slots = engine.max_concurrent_decodes
+    prompts = [rng.randint(0, 1000, prompt).tolist() for _ in range(slots // group)]
+    requests = [
+        Request(prompt_tokens=prompts[i // group], max_new_tokens=1, ignore_eos=True, seed=i)
+        for i in range(slots)
+    ]
+    prefix, first = engine.prefill_requests(params, requests)  # warm-up / compile
+    jax.block_until_ready((prefix, first.data))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        prefix, first = engine.prefill_requests(params, requests)
+        first.convert_to_numpy()
+    jax.block_until_ready(prefix)
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slots", type=int, default=16, help="max_concurrent_decodes")
@@ -156,6 +176,18 @@ def main() -> None:
     for rows in sorted({1, min(4, args.slots), args.slots}):
         tps = _prefill_row(engine, params, rng, rows, args.prompt, args.prefill_repeats)
         print(f"| {rows} | {args.prompt} | {tps:.0f} |", flush=True)
+    print()
+    print("| samples per prompt (G) | rows per call | ms per prefill call | vs G = 1 |")
+    print("| ---: | ---: | ---: | ---: |")
+    groups = [g for g in (1, 2, 4, 8, 16) if g <= args.slots and args.slots % g == 0]
+    for group in groups:  # every group size in turn, twice, for a noisy host
+        times = [
+            _group_prefill_ms(engine, params, rng, g, args.prompt, args.prefill_repeats)
+            for _ in range(2)
+            for g in [group, 1]
+        ]
+        ms, alone = min(times[0::2]), min(times[1::2])
+        print(f"| {group} | {args.slots} | {ms:.2f} | {alone / ms:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ every `ResultTokens`, which is how C1 (one version per trajectory) becomes check
 Compilation is bounded: prefill pads prompts to a few length buckets and the prompt count to a
 power of two; generate, insert, export and free each compile once per engine, and
 `generate_steps` once per step count.
+
+A batched prefill runs the model once per distinct prompt: GRPO samples a group of G responses
+to each prompt, so a group admitted together costs one prompt's prefill, not G (vLLM's prefix
+caching gives the same for whole prompts). Each row still samples its first token with its own
+seed; the distinct-prompt count, padded to a power of two, is one more compiled shape.
 """
 
 from __future__ import annotations
@@ -46,8 +51,10 @@ from dora_jax.models import Functional, KVCache, Transformer, sharding_lib
 from dora_jax.runtime import transfer_lib
 
 # The leading columns of `_HostRows.ints`, one per row; the eos ids and the tokens follow.
-_LENGTH, _REAL, _SLOT, _VERSION, _TOP_K, _SEED, _MAX_NEW, _MIN_NEW = range(8)
-_INT_COLUMNS = 8
+_LENGTH, _REAL, _SLOT, _VERSION, _TOP_K, _SEED, _MAX_NEW, _MIN_NEW, _PROMPT, _PROMPT_LENGTH = range(
+    10
+)
+_INT_COLUMNS = 10
 
 
 class _HostRows(NamedTuple):
@@ -56,10 +63,12 @@ class _HostRows(NamedTuple):
     450-470 us on CPU, as these two 300-350 us (measured), and a streaming rollout admits on
     most decode steps.
 
-    `ints` is int32 [rows, 8 + max_eos_ids + bucket]: length, real (1 for a request, 0 for
-    padding), target slot, version, top_k, seed (its uint32 bits), max_new_tokens and
-    min_new_tokens, then the eos ids (-1 padded), then the padded prompt tokens. `floats` is
-    float32 [rows, 2]: temperature, top_p. The accessors unpack them inside a jitted program.
+    `ints` is int32 [rows, 10 + max_eos_ids + bucket]: length, real (1 for a request, 0 for
+    padding), target slot, version, top_k, seed (its uint32 bits), max_new_tokens,
+    min_new_tokens, the row's prompt (an index into the distinct prompts) and the length of
+    distinct prompt i (in row i), then the eos ids (-1 padded), then distinct prompt i's padded
+    tokens (in row i; rows past the distinct prompts are unused). `floats` is float32
+    [rows, 2]: temperature, top_p. The accessors unpack them inside a jitted program.
     """
 
     ints: Any
@@ -75,8 +84,12 @@ class _HostRows(NamedTuple):
     def eos_ids(self, max_eos_ids: int) -> Any:
         return self.ints[:, _INT_COLUMNS : _INT_COLUMNS + max_eos_ids]
 
-    def tokens(self, max_eos_ids: int) -> Any:
-        return self.ints[:, _INT_COLUMNS + max_eos_ids :]
+    def prompts(self, max_eos_ids: int, distinct: int) -> tuple[Any, Any]:
+        """The distinct prompts' padded tokens [distinct, bucket] and lengths [distinct]."""
+        return (
+            self.ints[:distinct, _INT_COLUMNS + max_eos_ids :],
+            self.ints[:distinct, _PROMPT_LENGTH],
+        )
 
     def settings(self, max_eos_ids: int) -> dict[str, Any]:
         """The per-slot sampler and stop columns, as `SlotState` holds them."""
@@ -220,12 +233,19 @@ class Engine:
         self._init_jit = jax.jit(self._init_impl, out_shardings=self._decode_shardings)
         # The jitted calls take the params as `PolicyParams.leaves` (a flat tuple flattens in
         # C++) and rebuild the state while tracing.
+        # `distinct` (static) is how many rows of prompts the model runs on.
         self._prefill_jit = jax.jit(
-            lambda leaves, rows: self._prefill_impl(self._unflatten(leaves), rows),
+            lambda leaves, rows, distinct: self._prefill_impl(
+                self._unflatten(leaves), rows, distinct
+            ),
+            static_argnums=(2,),
             out_shardings=(self._row_shardings, replicated, replicated),
         )
         self._admit_jit = jax.jit(
-            lambda leaves, ds, rows: self._admit_impl(self._unflatten(leaves), ds, rows),
+            lambda leaves, ds, rows, distinct: self._admit_impl(
+                self._unflatten(leaves), ds, rows, distinct
+            ),
+            static_argnums=(3,),
             donate_argnums=(1,),
             out_shardings=(self._decode_shardings, replicated, replicated),
         )
@@ -368,11 +388,12 @@ class Engine:
         """Prefills several requests in one call (row i is requests[i]).
 
         All rows are padded to the bucket of the longest prompt and the row count to a power of
-        two; rows past len(requests) are padding (valid == 0) that `insert` drops.
+        two; rows past len(requests) are padding (valid == 0) that `insert` drops. Requests with
+        the same prompt share its prefill.
         """
         version = policy_version(params)
         prefix, data, log_probs = self._prefill_jit(
-            params.leaves, self._host_rows(requests, version, slots=())
+            params.leaves, *self._host_rows(requests, version, slots=())
         )
         return prefix, ResultTokens(data, log_probs, version=version)
 
@@ -396,25 +417,33 @@ class Engine:
         slots = self._check_slots(slots)
         if len(slots) != len(requests):
             raise ValueError(f"{len(requests)} requests for {len(slots)} slots")
-        rows = self._host_rows(requests, version, slots)
-        decode_state, data, log_probs = self._admit_jit(params.leaves, decode_state, rows)
+        rows, distinct = self._host_rows(requests, version, slots)
+        decode_state, data, log_probs = self._admit_jit(params.leaves, decode_state, rows, distinct)
         return decode_state, ResultTokens(data, log_probs, version=version)
 
     def _host_rows(
         self, requests: Sequence[Request], version: int, slots: Sequence[int]
-    ) -> _HostRows:
-        """Host-side inputs of a batched prefill: tokens padded to the bucket of the longest
-        prompt, the row count to a power of two (padding rows have `real` = False and no
-        slot), packed into one int32 and one float32 array (`_HostRows`)."""
+    ) -> tuple[_HostRows, int]:
+        """Host-side inputs of a batched prefill, packed into one int32 and one float32 array
+        (`_HostRows`), and how many rows of distinct prompts the model runs on. Prompts are
+        padded to the bucket of the longest, the row count and the distinct-prompt count to
+        powers of two (padding rows have `real` = False and no slot)."""
         if not requests:
             raise ValueError("a prefill needs at least one request")
         prompts, settings = zip(*[self.check_request(r) for r in requests], strict=True)
         bucket = self.bucket_for(max(len(p) for p in prompts))
         rows = _next_power_of_two(len(requests))
+        distinct: dict[bytes, int] = {}
+        prompt_of = [
+            distinct.setdefault(p.astype(np.int32).tobytes(), len(distinct)) for p in prompts
+        ]
+        prompt_rows = _next_power_of_two(len(distinct))
+        if prompt_rows == rows:  # sharing would save no row of the model's work
+            prompt_of = list(range(len(prompts)))
         eos_end = _INT_COLUMNS + self._max_eos_ids
         ints = np.zeros((rows, eos_end + bucket), np.int32)
         floats = np.zeros((rows, 2), np.float32)
-        ints[:, _LENGTH] = 1
+        ints[:, _LENGTH] = ints[:, _PROMPT_LENGTH] = 1
         ints[:, _SLOT] = self._slots  # out of range: the scatter drops the row
         ints[:, _VERSION] = version
         ints[:, _MAX_NEW] = 1
@@ -422,16 +451,18 @@ class Engine:
         floats[:, 1] = 1.0  # top_p of padding rows
         for i, (p, s) in enumerate(zip(prompts, settings, strict=True)):
             ints[i, _LENGTH] = len(p)
+            ints[i, _PROMPT] = prompt = prompt_of[i]
+            ints[prompt, _PROMPT_LENGTH] = len(p)
+            ints[prompt, eos_end : eos_end + len(p)] = p
             ints[i, _REAL] = 1
             ints[i, _TOP_K] = s.top_k
             ints[i, _SEED] = np.uint32(s.seed).view(np.int32)
             ints[i, _MAX_NEW] = s.max_new_tokens
             ints[i, _MIN_NEW] = s.min_new_tokens
             ints[i, _INT_COLUMNS : _INT_COLUMNS + len(s.eos_ids)] = s.eos_ids
-            ints[i, eos_end : eos_end + len(p)] = p
             floats[i] = s.temperature, s.top_p
         ints[: len(slots), _SLOT] = slots
-        return _HostRows(ints, floats)
+        return _HostRows(ints, floats), prompt_rows
 
     def bucket_for(self, length: int) -> int:
         return bucket_for(self.prefill_buckets, length)
@@ -679,12 +710,12 @@ class Engine:
         out = self._fn.forward(state, tokens, positions, cache, logits_at=lengths - 1)
         return out.logits[:, 0], out.cache
 
-    def _prefill_impl(self, state, rows: _HostRows):
-        prefix, log_prob = self._prefill_rows(state, rows)
+    def _prefill_impl(self, state, rows: _HostRows, distinct: int):
+        prefix, log_prob = self._prefill_rows(state, rows, distinct)
         return prefix, *_pack_rows(prefix, rows.real(), log_prob)
 
-    def _admit_impl(self, state, ds: SlotState, rows: _HostRows):
-        prefix, log_prob = self._prefill_rows(state, rows)
+    def _admit_impl(self, state, ds: SlotState, rows: _HostRows, distinct: int):
+        prefix, log_prob = self._prefill_rows(state, rows, distinct)
         real, index = rows.real(), rows.column(_SLOT)
         # A row whose slot is still decoding is dropped (sent to the scatter's out-of-range
         # index) and reported not valid.
@@ -693,11 +724,14 @@ class Engine:
         ds = self._insert_impl(ds, prefix, jnp.where(taken, index, self._slots))
         return ds, *_pack_rows(prefix, taken, log_prob)
 
-    def _prefill_rows(self, state, host: _HostRows):
-        tokens, lengths = host.tokens(self._max_eos_ids), host.column(_LENGTH)
+    def _prefill_rows(self, state, host: _HostRows, distinct: int):
+        rows, lengths = host.ints.shape[0], host.column(_LENGTH)
         columns = host.settings(self._max_eos_ids)
-        logits, cache = self._prefill_logits(state, tokens, lengths)
-        rows = tokens.shape[0]
+        logits, cache = self._prefill_logits(state, *host.prompts(self._max_eos_ids, distinct))
+        if distinct < rows:  # rows share prompts: each takes its prompt's logits and KV
+            prompt = host.column(_PROMPT)
+            logits = logits[prompt]
+            cache = jax.tree.map(lambda x: x[prompt], cache)
         zeros = jnp.zeros(rows, jnp.int32)
         keys = sampling_lib.token_keys(columns["seed"], zeros)
         token, log_prob = sampling_lib.sample(

@@ -86,25 +86,30 @@ def workload(config: ml_collections.ConfigDict, seed: int, iterations: int) -> F
 
 
 def precompile_engines(engines: list[Engine], decode_steps: Iterable[int]) -> None:
-    """Compiles what a short warm-up run may miss: every prefill bucket and batch size of every
-    engine (admission prefills a turn's requests together; the partial paradigm re-prefills
-    prompt + generated tokens, any length), a decode call of each of `decode_steps` steps and
-    every slot move."""
+    """Compiles what a short warm-up run may miss: every prefill bucket, batch size and count
+    of distinct prompts of every engine (admission prefills a turn's requests together, a
+    group's samples sharing their prompt; the partial paradigm re-prefills prompt + generated
+    tokens, any length), a decode call of each of `decode_steps` steps and every slot move."""
     for engine in engines:
         params = engine.load_params()
-        # A prefill's rows are padded to a power of two, so these request counts give every
-        # shape admission can take, up to the one that holds all slots (e.g. 32 rows for 24).
+        # A prefill's rows and its distinct prompts are padded to powers of two, so these counts
+        # give every shape admission can take, up to the one that holds all slots (e.g. 32 rows
+        # for 24).
         slots = engine.max_concurrent_decodes
         counts = [min(1 << i, slots) for i in range((slots - 1).bit_length() + 1)]
         for bucket in engine.prefill_buckets:
-            tokens = np.ones(bucket, np.int32)
-            request = EngineRequest(
-                prompt_tokens=tokens, max_new_tokens=1, ignore_eos=True, seed=0, id=(-1, 0)
-            )
-            for n in counts:
-                state, _ = engine.admit(
-                    params, engine.init_decode_state(), [request] * n, list(range(n))
-                )
+            for n, distinct in ((n, d) for n in counts for d in counts if d <= n):
+                requests = [
+                    EngineRequest(
+                        prompt_tokens=np.full(bucket, i % distinct, np.int32),
+                        max_new_tokens=1,
+                        ignore_eos=True,
+                        seed=0,
+                        id=(-1, i),
+                    )
+                    for i in range(n)
+                ]
+                state, _ = engine.admit(params, engine.init_decode_state(), requests, range(n))
                 jax.block_until_ready(state)
         # The slot moves a run may first need mid-measurement: decode, a migration (export +
         # import), free.

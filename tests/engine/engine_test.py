@@ -474,6 +474,57 @@ def test_admit_equals_prefill_then_insert_and_refuses_busy_slots(dense):
         engine.admit(params, ds, new[:2], [2])
 
 
+@settings(max_examples=12, deadline=None)
+@given(choices=st.lists(st.integers(0, 2), min_size=1, max_size=8))
+def test_requests_with_one_prompt_share_its_prefill_and_sample_on_their_own(dense, choices):
+    """A GRPO group admitted together runs the model on each distinct prompt once, and every
+    sample's first token, log-prob and KV are still those it gets prefilled alone."""
+    engine = _sharing_engine(dense)
+    sampling = SamplingParams(temperature=1.0)
+    pool = [[7, 8, 9, 10, 11], [3, 1], [7, 8, 9, 10, 12]]  # two differ in their last token only
+    requests = [
+        Request(pool[c], sampling, max_new_tokens=5, ignore_eos=True, seed=100 + i)
+        for i, c in enumerate(choices)
+    ]
+    engine.forward_rows.clear()
+    ds, first = engine.admit(
+        dense.params, engine.init_decode_state(), requests, range(len(choices))
+    )
+    first = first.convert_to_numpy()
+    distinct = len(set(choices))
+    rows = 1 << (len(choices) - 1).bit_length()
+    if engine.forward_rows:  # traced now: a shape this engine had not compiled
+        shared = 1 << (distinct - 1).bit_length()
+        assert engine.forward_rows == [shared if shared < rows else rows]
+    for slot, request in enumerate(requests):
+        prefix, alone = engine.prefill_requests(dense.params, [request])
+        alone = alone.convert_to_numpy()
+        assert first.tokens[slot] == alone.tokens[0]
+        np.testing.assert_allclose(first.log_probs[slot], alone.log_probs[0], atol=1e-5)
+        for got, want in zip(ds.cache.k + ds.cache.v, prefix.cache.k + prefix.cache.v, strict=True):
+            length = want.shape[2]
+            np.testing.assert_allclose(np.asarray(got[slot, :, :length]), want[0], atol=1e-5)
+
+
+_SHARING_ENGINES = {}
+
+
+def _sharing_engine(setup):
+    """An 8-slot engine that records the row count of each prefill it traces."""
+    if id(setup) not in _SHARING_ENGINES:
+        engine = _engine(setup.model, max_concurrent_decodes=8)
+        engine.forward_rows = []
+        prefill_logits = engine._prefill_logits
+
+        def recording(state, tokens, lengths):
+            engine.forward_rows.append(tokens.shape[0])
+            return prefill_logits(state, tokens, lengths)
+
+        engine._prefill_logits = recording
+        _SHARING_ENGINES[id(setup)] = engine
+    return _SHARING_ENGINES[id(setup)]
+
+
 def test_generate_steps_matches_repeated_generate(dense):
     """Several decode steps as one program yield, step by step, the tokens, log-probs, lengths
     and finish reasons of as many `generate` calls, requests finishing part-way included; once

@@ -183,9 +183,12 @@ def test_precompile_covers_every_admission_shape_for_any_slot_count_and_decode_c
     assert engine._generate_steps_jit._cache_size() == 2
     params = engine.load_params()
     for length in (1, 9):  # one prompt per prefill bucket (8, 16)
-        for n in range(1, 4):
-            request = EngineRequest(prompt_tokens=[1] * length, max_new_tokens=2, seed=0)
-            state, _ = engine.admit(params, engine.init_decode_state(), [request] * n, range(n))
+        for n, distinct in [(n, d) for n in range(1, 4) for d in range(1, n + 1)]:
+            requests = [
+                EngineRequest(prompt_tokens=[i % distinct] * length, max_new_tokens=2, seed=i)
+                for i in range(n)
+            ]
+            state, _ = engine.admit(params, engine.init_decode_state(), requests, range(n))
             jax.block_until_ready(state)
     assert engine.prefill_buckets == (8, 16)
     assert engine._admit_jit._cache_size() == compiled  # nothing new compiled mid-run
