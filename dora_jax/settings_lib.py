@@ -240,6 +240,11 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_field_names(config: ml_collections.ConfigDict) -> None:
+    if {"modes", "workload"} <= set(config):
+        raise ValueError(
+            "this is a bench config (it has `modes` and a `workload`): run it with "
+            "`dora-jax bench`; `dora-jax train` runs a training config, e.g. configs/default.py"
+        )
     unknown = sorted(set(config) - _TOP_LEVEL_FIELDS)
     for section, known in _SECTION_FIELDS.items():
         unknown += sorted(f"{section}.{f}" for f in set(config.get(section, {})) - known)

@@ -70,7 +70,9 @@ class _Outcome:
 def _call(fn: RewardFn, completion: str, answer: str) -> _Outcome:
     try:
         value = fn(completion, answer)
-    except Exception as e:  # any failure of user code scores 0, never stops the run
+    # Any failure of user code scores 0 and never stops the run; `sys.exit` in it too, which
+    # would otherwise end a thread worker silently, to be counted as a timeout.
+    except (Exception, SystemExit) as e:
         return _Outcome(True, math.nan, repr(e))
     return _Outcome(False, _as_reward(value), repr(value)[:200])
 

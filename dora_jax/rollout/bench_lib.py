@@ -318,6 +318,11 @@ def run_bench(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict
     n of the host's cores and this process (controller and engines) keeps the rest, for the run
     only (`cpu_cores_lib`); 0 leaves everything in this process, on every core.
     """
+    if "modes" not in config or "workload" not in config:
+        raise ConfigError(
+            "dora-jax bench runs a bench config (its `modes` and `workload`, as "
+            "configs/bench_longtail.py has); `dora-jax train` runs a training config"
+        )
     try:  # every field is checked before anything is built or compiled
         configs = rollout_configs(config)
         check_integer_fields(config, {"repeats": 1, "warmup_iterations": 0, "engine.slots": 1})

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from configs import default
+from configs import bench_longtail, default
 from dora_jax import settings_lib
 from dora_jax.config_fields_lib import ConfigError
 
@@ -70,6 +70,11 @@ def test_bad_config_fails_at_start_naming_the_field(section, field, value, named
     config[section][field] = value
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):
         settings_lib.validate(config)
+
+
+def test_a_bench_config_is_refused_naming_the_command_that_runs_it():
+    with pytest.raises(ValueError, match="this is a bench config .*run it with `dora-jax bench`"):
+        settings_lib.validate(bench_longtail.get_config())
 
 
 def test_files_need_the_checkpoint_that_tokenizes_them():

@@ -2,6 +2,7 @@
 
 import os
 import re
+import sys
 
 
 def length_reward(completion: str, answer: str, scale: float = 1.0) -> float:
@@ -24,6 +25,12 @@ def backtracks(completion: str, answer: str) -> float:
 def exits_on_exit(completion: str, answer: str) -> float:
     if completion == "exit":
         os._exit(3)  # the worker process ends mid-call, as a crash in C code would end it
+    return 1.0
+
+
+def calls_sys_exit(completion: str, answer: str) -> float:
+    if completion == "exit":
+        sys.exit("a reward that calls sys.exit")
     return 1.0
 
 

@@ -160,6 +160,16 @@ def test_a_worker_that_dies_scores_zero_and_is_replaced(caplog):
     runner.close()
 
 
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_sys_exit_in_a_reward_is_an_error_not_a_timeout(isolation):
+    runner = RewardRunner(
+        reward_helpers.calls_sys_exit, timeout_s=30.0, workers=2, isolation=isolation
+    )
+    assert runner.score([(0, "exit", ""), (1, "x", "")]) == [0.0, 1.0]
+    assert runner.counters.errors == 1 and runner.counters.timeouts == 0
+    runner.close()
+
+
 def test_a_reward_that_does_not_pickle_needs_threads():
     with pytest.raises(ValueError, match="isolation='thread'"):
         RewardRunner(lambda completion, answer: 1.0)

@@ -19,6 +19,8 @@ import pytest
 from rollout_harness import bench_schedule
 from tiny_models import DENSE
 
+from configs import default
+from dora_jax.config_fields_lib import ConfigError
 from dora_jax.engine import Engine
 from dora_jax.engine.request_lib import Request as EngineRequest
 from dora_jax.models import create
@@ -173,6 +175,12 @@ def test_a_bad_bench_field_fails_before_anything_is_built(tmp_path, section, fie
     assert not os.listdir(tmp_path)  # no engine, trainer or run directory was made
 
 
+def test_a_training_config_is_refused_as_no_bench_config(tmp_path):
+    with pytest.raises(ConfigError, match="runs a bench config .*configs/bench_longtail.py"):
+        bench_lib.run_bench(default.get_config(), str(tmp_path))
+    assert not os.listdir(tmp_path)
+
+
 def test_precompile_covers_every_admission_shape_for_any_slot_count_and_decode_call():
     # 3 slots: a full admission pads its rows to 4, more rows than slots.
     engine = Engine(
@@ -183,7 +191,7 @@ def test_precompile_covers_every_admission_shape_for_any_slot_count_and_decode_c
     assert engine._generate_steps_jit._cache_size() == 2
     params = engine.load_params()
     for length in (1, 9):  # one prompt per prefill bucket (8, 16)
-        for n, distinct in [(n, d) for n in range(1, 4) for d in range(1, n + 1)]:
+        for n, distinct in [(r, d) for r in range(1, 4) for d in range(1, r + 1)]:
             requests = [
                 EngineRequest(prompt_tokens=[i % distinct] * length, max_new_tokens=2, seed=i)
                 for i in range(n)
