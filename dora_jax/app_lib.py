@@ -550,7 +550,9 @@ def _checkpoint_params(
         if step is None:
             return None, None
         saved = checkpointer.read_meta(step).get("config")
-        check_same_run(saved, config, workdir, prefixes=("model.",))
+        # The checkpoint holds float32 master weights whatever the run computed in, so a
+        # bfloat16 run exports (or is evaluated) in float32 as well, and the other way round.
+        check_same_run(saved, config, workdir, prefixes=("model.",), exempt=("model.dtype",))
         _, params = models.Functional.of(model)
         shardings = sharding_lib.param_shardings(params, settings.plan.train_mesh)
         like = jax.tree.map(

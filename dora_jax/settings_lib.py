@@ -448,11 +448,13 @@ def check_same_run(
     config: ml_collections.ConfigDict,
     workdir: str,
     prefixes: tuple[str, ...] = ("",),
+    exempt: tuple[str, ...] = (),
 ) -> None:
     """Refuses to continue (or evaluate) the run saved in `workdir` under another config: a
     different model shape would fail deep in orbax, a different group size or mode would
-    stall the resumed rollout after cutting the saved run's ledger back. Checkpoints from
-    before configs were saved (`saved` None) are not checked."""
+    stall the resumed rollout after cutting the saved run's ledger back. Only fields under
+    `prefixes` are compared, except those in `exempt`. Checkpoints from before configs were
+    saved (`saved` None) are not checked."""
     if saved is None:
         return
     saved = {**_ADDED_FIELDS, **saved}
@@ -461,6 +463,7 @@ def check_same_run(
         k
         for k in saved.keys() | now.keys()
         if k.startswith(prefixes)
+        and k not in exempt
         and not k.startswith(_RESUMABLE_CHANGES)  # a checkpoint may predate the exemption
         and _comparable(k, saved.get(k)) != _comparable(k, now.get(k))
     )

@@ -14,6 +14,7 @@ import threading
 
 import app_rewards
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -486,6 +487,16 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
     again = _tensors(app_lib.export_checkpoint(config, str(workdir), out=str(tmp_path / "v4")))
     for name, value in written.items():
         np.testing.assert_array_equal(again[name], value, err_msg=name)
+    # In another dtype: the float32 master weights, rounded once (a run computing in bfloat16
+    # exports in float32 the same way).
+    config.model.dtype = "bfloat16"
+    rounded = app_lib.export_checkpoint(config, str(workdir), out=str(tmp_path / "v4_bf16"))
+    from safetensors.torch import load_file
+
+    for name, value in load_file(os.path.join(rounded, "model.safetensors")).items():
+        assert str(value.dtype) == "torch.bfloat16", name
+        expected = written[name].astype(jnp.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(value.float().numpy(), expected, err_msg=name)
 
 
 def _tensors(directory, name: str = "model.safetensors") -> dict[str, np.ndarray]:
