@@ -59,17 +59,21 @@ def main() -> None:
     w = config.workload
     rng = np.random.default_rng(0)
     lengths = bench_lib.response_lengths(config, 64, rng)
-    request = Request(
-        prompt_tokens=np.ones(w.prompt_length, np.int32),
-        max_new_tokens=w.max_length,
-        ignore_eos=True,
-        seed=0,
-        id=(0, 0),
-    )
     slots = list(range(engine.max_concurrent_decodes))
+    # A prompt per slot: a refill prefills every one (identical prompts would share one).
+    requests = [
+        Request(
+            prompt_tokens=np.full(w.prompt_length, slot % config.model.vocab_size, np.int32),
+            max_new_tokens=w.max_length,
+            ignore_eos=True,
+            seed=slot,
+            id=(slot, 0),
+        )
+        for slot in slots
+    ]
 
     def fill(state):
-        prefix, _ = engine.prefill_requests(params, [request] * len(slots))
+        prefix, _ = engine.prefill_requests(params, requests)
         return engine.insert(prefix, engine.free_slot(state, slots), slots)
 
     def decode(steps: int) -> None:

@@ -92,25 +92,29 @@ def precompile_engines(engines: list[Engine], decode_steps: Iterable[int]) -> No
     tokens, any length), a decode call of each of `decode_steps` steps and every slot move."""
     for engine in engines:
         params = engine.load_params()
-        # A prefill's rows and its distinct prompts are padded to powers of two, so these counts
-        # give every shape admission can take, up to the one that holds all slots (e.g. 32 rows
-        # for 24).
+        # A prefill's rows are padded to a power of two, so these counts give every row count
+        # admission can take, up to the one that holds all slots (e.g. 32 rows for 24); the
+        # model runs on those rows divided by a power of four (shared prompts).
         slots = engine.max_concurrent_decodes
         counts = [min(1 << i, slots) for i in range((slots - 1).bit_length() + 1)]
+        vocab = engine.config.vocab_size
         for bucket in engine.prefill_buckets:
-            for n, distinct in ((n, d) for n in counts for d in counts if d <= n):
-                requests = [
-                    EngineRequest(
-                        prompt_tokens=np.full(bucket, i % distinct, np.int32),
-                        max_new_tokens=1,
-                        ignore_eos=True,
-                        seed=0,
-                        id=(-1, i),
-                    )
-                    for i in range(n)
-                ]
-                state, _ = engine.admit(params, engine.init_decode_state(), requests, range(n))
-                jax.block_until_ready(state)
+            for n in counts:
+                rows = 1 << (n - 1).bit_length()
+                shared = [rows // 4**j for j in range(1, rows.bit_length()) if 4**j <= rows]
+                for distinct in [n, *shared]:
+                    requests = [
+                        EngineRequest(
+                            prompt_tokens=_numbered_prompt(i % distinct, bucket, vocab),
+                            max_new_tokens=1,
+                            ignore_eos=True,
+                            seed=0,
+                            id=(-1, i),
+                        )
+                        for i in range(n)
+                    ]
+                    state, _ = engine.admit(params, engine.init_decode_state(), requests, range(n))
+                    jax.block_until_ready(state)
         # The slot moves a run may first need mid-measurement: decode, a migration (export +
         # import), free.
         request = EngineRequest(prompt_tokens=[1], max_new_tokens=2, seed=0, id=(-1, 0))
@@ -122,6 +126,12 @@ def precompile_engines(engines: list[Engine], decode_steps: Iterable[int]) -> No
         state = engine.free_slot(state, 0)
         state = engine.import_slot(state, 1, exported)
         jax.block_until_ready(engine.free_slot(state, 1))
+
+
+def _numbered_prompt(number: int, length: int, vocab: int) -> np.ndarray:
+    """A prompt of `length` tokens that spells `number` in base `vocab`: prompts of different
+    numbers differ (any vocabulary), so a prefill of them shares nothing it should not."""
+    return np.asarray([number // vocab**k % vocab for k in range(length)], np.int32)
 
 
 def precompile_trainer(trainer: TrainerLike, config: ml_collections.ConfigDict) -> None:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tiny_models import DENSE, MOE, VOCAB
 
@@ -475,13 +475,16 @@ def test_admit_equals_prefill_then_insert_and_refuses_busy_slots(dense):
 
 
 @settings(max_examples=12, deadline=None)
-@given(choices=st.lists(st.integers(0, 2), min_size=1, max_size=8))
+@given(choices=st.lists(st.integers(0, 3), min_size=1, max_size=8))
+@example(choices=[0, 1, 2, 0])  # 3 distinct prompts in 4 rows: too many to share
+@example(choices=[1, 3, 1, 3, 0, 0, 1, 1])  # [3, 1] and [3, 1, 0] differ by a trailing 0
 def test_requests_with_one_prompt_share_its_prefill_and_sample_on_their_own(dense, choices):
-    """A GRPO group admitted together runs the model on each distinct prompt once, and every
-    sample's first token, log-prob and KV are still those it gets prefilled alone."""
+    """A GRPO group admitted together runs the model on its prompt once (on a quarter of the
+    rows or fewer), and every sample's first token, log-prob and KV are still those it gets
+    prefilled alone."""
     engine = _sharing_engine(dense)
     sampling = SamplingParams(temperature=1.0)
-    pool = [[7, 8, 9, 10, 11], [3, 1], [7, 8, 9, 10, 12]]  # two differ in their last token only
+    pool = [[7, 8, 9, 10, 11], [3, 1], [7, 8, 9, 10, 12], [3, 1, 0]]  # pairs differing at the end
     requests = [
         Request(pool[c], sampling, max_new_tokens=5, ignore_eos=True, seed=100 + i)
         for i, c in enumerate(choices)
@@ -494,8 +497,11 @@ def test_requests_with_one_prompt_share_its_prefill_and_sample_on_their_own(dens
     distinct = len(set(choices))
     rows = 1 << (len(choices) - 1).bit_length()
     if engine.forward_rows:  # traced now: a shape this engine had not compiled
-        shared = 1 << (distinct - 1).bit_length()
-        assert engine.forward_rows == [shared if shared < rows else rows]
+        # The fewest of rows / 4^j that hold the distinct prompts.
+        shared = min(
+            rows // 4**j for j in range(4) if rows % 4**j == 0 and rows // 4**j >= distinct
+        )
+        assert engine.forward_rows == [shared]
     for slot, request in enumerate(requests):
         prefix, alone = engine.prefill_requests(dense.params, [request])
         alone = alone.convert_to_numpy()
@@ -613,8 +619,10 @@ def test_prefill_compiles_once_per_bucket_and_row_count(dense):
     rng = np.random.RandomState(5)
     for n in (1, 7, 8, 9, 16, 17, 31, 32):
         for rows in (1, 2, 3):
-            requests = [Request(prompt_tokens=p) for p in _prompts(rng, [n] * rows)]
-            engine.prefill_requests(params, requests)
+            prompts = _prompts(rng, [n] * rows)
+            for row, prompt in enumerate(prompts):
+                prompt[0] = row  # distinct prompts: nothing shared, no shared-prompt program
+            engine.prefill_requests(params, [Request(prompt_tokens=p) for p in prompts])
     # 3 length buckets x 3 row counts (1, 2, 4).
     assert engine._prefill_jit._cache_size() == 9
 
