@@ -91,8 +91,8 @@ def _steps_per_call_row(engine, params, rng, per_call: int, steps: int, prompt: 
     return elapsed / (calls * per_call) * 1e3
 
 
-def _prefill_row(engine, params, rng, rows: int, prompt: int, repeats: int) -> float:
-    requests = _requests(rng, rows, prompt, 1)
+def _prefill_seconds(engine, params, requests, repeats: int) -> float:
+    """Seconds per `prefill_requests` call of `requests`, its first tokens read back."""
     prefix, first = engine.prefill_requests(params, requests)  # warm-up / compile
     jax.block_until_ready((prefix, first.data))
     start = time.perf_counter()
@@ -100,7 +100,12 @@ def _prefill_row(engine, params, rng, rows: int, prompt: int, repeats: int) -> f
         prefix, first = engine.prefill_requests(params, requests)
         first.convert_to_numpy()
     jax.block_until_ready(prefix)
-    return rows * prompt * repeats / (time.perf_counter() - start)
+    return (time.perf_counter() - start) / repeats
+
+
+def _prefill_row(engine, params, rng, rows: int, prompt: int, repeats: int) -> float:
+    seconds = _prefill_seconds(engine, params, _requests(rng, rows, prompt, 1), repeats)
+    return rows * prompt / seconds
 
 
 def _group_prefill_ms(engine, params, rng, group: int, prompt: int, repeats: int) -> float:
@@ -111,14 +116,7 @@ def _group_prefill_ms(engine, params, rng, group: int, prompt: int, repeats: int
         Request(prompt_tokens=prompts[i // group], max_new_tokens=1, ignore_eos=True, seed=i)
         for i in range(slots)
     ]
-    prefix, first = engine.prefill_requests(params, requests)  # warm-up / compile
-    jax.block_until_ready((prefix, first.data))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        prefix, first = engine.prefill_requests(params, requests)
-        first.convert_to_numpy()
-    jax.block_until_ready(prefix)
-    return (time.perf_counter() - start) / repeats * 1e3
+    return _prefill_seconds(engine, params, requests, repeats) * 1e3
 
 
 def main() -> None:

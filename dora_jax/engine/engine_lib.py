@@ -54,9 +54,8 @@ from dora_jax.models import Functional, KVCache, Transformer, sharding_lib
 from dora_jax.runtime import transfer_lib
 
 # The leading columns of `_HostRows.ints`, one per row; the eos ids and the tokens follow.
-_LENGTH, _REAL, _SLOT, _VERSION, _TOP_K, _SEED, _MAX_NEW, _MIN_NEW, _PROMPT, _PROMPT_LENGTH = range(
-    10
-)
+_LENGTH, _REAL, _SLOT, _VERSION, _TOP_K, _SEED, _MAX_NEW, _MIN_NEW = range(8)
+_PROMPT, _PROMPT_LENGTH = 8, 9  # the row's distinct prompt; the length of distinct prompt i
 _INT_COLUMNS = 10
 
 
