@@ -85,11 +85,12 @@ def workload(config: ml_collections.ConfigDict, seed: int, iterations: int) -> F
     return FinitePrompts(source, iterations * (r.train_batch_size // r.group_size))
 
 
-def precompile_engines(engines: list[Engine], decode_steps: Iterable[int]) -> None:
+def precompile_engines(engines: list[Engine], decode_steps: Iterable[int], vocab_size: int) -> None:
     """Compiles what a short warm-up run may miss: every prefill bucket, batch size and count
     of distinct prompts of every engine (admission prefills a turn's requests together, a
     group's samples sharing their prompt; the partial paradigm re-prefills prompt + generated
-    tokens, any length), a decode call of each of `decode_steps` steps and every slot move."""
+    tokens, any length), a decode call of each of `decode_steps` steps and every slot move.
+    `vocab_size` is the model's: engines on generation hosts hold no model config here."""
     for engine in engines:
         params = engine.load_params()
         # A prefill's rows are padded to a power of two, so these counts give every row count
@@ -97,7 +98,6 @@ def precompile_engines(engines: list[Engine], decode_steps: Iterable[int]) -> No
         # model runs on those rows divided by a power of four (shared prompts).
         slots = engine.max_concurrent_decodes
         counts = [min(1 << i, slots) for i in range((slots - 1).bit_length() + 1)]
-        vocab = engine.config.vocab_size
         for bucket in engine.prefill_buckets:
             for n in counts:
                 rows = 1 << (n - 1).bit_length()
@@ -105,7 +105,7 @@ def precompile_engines(engines: list[Engine], decode_steps: Iterable[int]) -> No
                 for distinct in [n, *shared]:
                     requests = [
                         EngineRequest(
-                            prompt_tokens=_numbered_prompt(i % distinct, bucket, vocab),
+                            prompt_tokens=_numbered_prompt(i % distinct, bucket, vocab_size),
                             max_new_tokens=1,
                             ignore_eos=True,
                             seed=0,
@@ -364,7 +364,9 @@ def _run_bench(
     # The same initialisation for every mode; each trainer owns its copy (its steps donate it).
     model_config = models.ModelConfig(**config.model.to_dict())
     engines = _engines(config, models.create(model_config, seed=config.seed), plan)
-    precompile_engines(engines, (c.decode_steps_per_turn for c in configs.values()))
+    precompile_engines(
+        engines, (c.decode_steps_per_turn for c in configs.values()), config.model.vocab_size
+    )
     setups = {}
     with contextlib.ExitStack() as trainer_processes:
         for mode, rollout_config in configs.items():

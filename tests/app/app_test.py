@@ -99,7 +99,7 @@ def test_eval_refuses_a_workdir_that_does_not_exist(tmp_path):
     [
         ("--config.rollout.group_size=7", "rollout.train_batch_size=64: must be a multiple of"),
         ("--config.rollout.mdoe=dora", "names no field of the config: 'mdoe'; Did you mean"),
-        ("--config.data.source=files", "data.train_files must name at least one file"),
+        ("--config.data.source=files", "data.train_files='' must name at least one file"),
         ("--config.model.checkpoint=/no/such/model", "not a Hugging Face model directory"),
         ("--config.data.template=chat", "data.template='chat' needs model.checkpoint"),
     ],

@@ -186,7 +186,7 @@ def test_precompile_covers_every_admission_shape_for_any_slot_count_and_decode_c
     engine = Engine(
         create(DENSE, seed=0), max_concurrent_decodes=3, max_prefill_length=16, max_decode_length=4
     )
-    bench_lib.precompile_engines([engine], [2, 1, 2])
+    bench_lib.precompile_engines([engine], [2, 1, 2], DENSE.vocab_size)
     compiled = engine._admit_jit._cache_size()
     assert engine._generate_steps_jit._cache_size() == 2
     params = engine.load_params()
