@@ -116,6 +116,16 @@ class _RowSettings(NamedTuple):
     eos_ids: tuple[int, ...]
 
 
+def prompt_row_counts(rows: int) -> list[int]:
+    """The rows a prefill of `rows` (padded) rows may run the model on: all of them, or, when
+    its requests share prompts, `rows` divided by a power of four (the module docstring says
+    why), largest first."""
+    counts = [rows]
+    while counts[-1] % 4 == 0:
+        counts.append(counts[-1] // 4)
+    return counts
+
+
 def _next_power_of_two(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -440,9 +450,7 @@ class Engine:
         prompt_of = [
             distinct.setdefault(p.astype(np.int32).tobytes(), len(distinct)) for p in prompts
         ]
-        prompt_rows = rows
-        while prompt_rows % 4 == 0 and prompt_rows // 4 >= len(distinct):
-            prompt_rows //= 4
+        prompt_rows = min(c for c in prompt_row_counts(rows) if c >= len(distinct))
         if prompt_rows == rows:  # too many distinct prompts to save 3/4 of the rows
             prompt_of = list(range(len(prompts)))
         eos_end = _INT_COLUMNS + self._max_eos_ids

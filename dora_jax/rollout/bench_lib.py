@@ -26,6 +26,7 @@ import numpy as np
 from dora_jax import models
 from dora_jax.config_fields_lib import ConfigError, check_integer_fields
 from dora_jax.engine import Engine
+from dora_jax.engine.engine_lib import prompt_row_counts
 from dora_jax.engine.request_lib import Request as EngineRequest
 from dora_jax.rollout import audit_lib, ledger_lib, request_lib, telemetry_lib
 from dora_jax.rollout.config_lib import RolloutConfig, train_config
@@ -94,15 +95,15 @@ def precompile_engines(engines: list[Engine], decode_steps: Iterable[int], vocab
     for engine in engines:
         params = engine.load_params()
         # A prefill's rows are padded to a power of two, so these counts give every row count
-        # admission can take, up to the one that holds all slots (e.g. 32 rows for 24); the
-        # model runs on those rows divided by a power of four (shared prompts).
+        # admission can take, up to the one that holds all slots (e.g. 32 rows for 24), each
+        # with every count of rows the model may run on (`prompt_row_counts`).
         slots = engine.max_concurrent_decodes
         counts = [min(1 << i, slots) for i in range((slots - 1).bit_length() + 1)]
         for bucket in engine.prefill_buckets:
             for n in counts:
                 rows = 1 << (n - 1).bit_length()
-                shared = [rows // 4**j for j in range(1, rows.bit_length()) if 4**j <= rows]
-                for distinct in [n, *shared]:
+                for prompt_rows in prompt_row_counts(rows):
+                    distinct = n if prompt_rows == rows else prompt_rows
                     requests = [
                         EngineRequest(
                             prompt_tokens=_numbered_prompt(i % distinct, bucket, vocab_size),
