@@ -223,13 +223,10 @@ def _validate(config: ml_collections.ConfigDict) -> Settings:
 
 
 def check_inputs(config: ml_collections.ConfigDict) -> None:
-    """Refuses a run whose input files are missing, naming the field, before it writes
-    anything: a valid config may name files of another machine (a recipe's), so `validate`
-    cannot."""
-    for field in ("train_files", "heldout_files"):
-        missing = [p for p in file_list(config.data[field]) if not os.path.isfile(p)]
-        if config.data.source == "files" and missing:
-            raise ConfigError(f"data.{field}: {', '.join(missing)} does not exist")
+    """Refuses a run whose `model.checkpoint` is no model directory, before it writes anything:
+    a valid config may name a directory of another machine (a recipe's), so `validate` cannot.
+    Data files are refused by field where they are opened (`task_lib.load_task`), also before
+    the workdir is made."""
     if config.model.checkpoint and not os.path.isfile(
         os.path.join(config.model.checkpoint, "config.json")
     ):

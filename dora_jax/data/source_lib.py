@@ -124,10 +124,11 @@ def open_files(paths: Sequence[str | Path], fields: Sequence[str]) -> RowSource:
     """Opens data files by extension; `fields` are the columns Parquet needs to read."""
     if not paths:
         raise ValueError("data files: the list is empty")
+    missing = [str(p) for p in paths if not os.path.isfile(p)]
+    if missing:  # all of them at once: a run is refused for them at start
+        raise FileNotFoundError("; ".join(f"data file {p} does not exist" for p in missing))
     files = []
     for path in map(str, paths):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"data file {path} does not exist")
         suffix = Path(path).suffix.lower()
         if suffix == ".json" and _is_json_array(path):
             reader = _json_array(path)

@@ -9,7 +9,7 @@ import types
 import pytest
 
 from configs import bench_longtail, default
-from dora_jax import settings_lib
+from dora_jax import settings_lib, task_lib
 from dora_jax.config_fields_lib import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -139,21 +139,25 @@ def test_a_max_prompt_len_too_short_for_the_builtin_task_is_refused_at_start():
         settings_lib.validate(config)
 
 
-def test_missing_input_files_are_named_by_field_and_spaces_in_lists_are_dropped(tmp_path):
+def test_missing_input_files_are_named_by_field_and_spaces_in_lists_are_dropped(
+    tmp_path, monkeypatch
+):
     (tmp_path / "a.jsonl").write_text('{"prompt": "p", "answer": "a"}\n')
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
+    monkeypatch.setattr(task_lib, "load_tokenizer", lambda path: None)  # no tokenizer.json here
     config = default.get_config()
     config.data.update(source="files", train_files=f"{tmp_path / 'a.jsonl'} , ")
     config.model.checkpoint = str(tmp_path / "model")
     settings_lib.check_inputs(config)
+    assert len(task_lib.load_task(config).train_rows) == 1
     config.data.train_files = " , ,"
     with pytest.raises(ValueError, match=r"data\.train_files=' , ,' must name at least one"):
         settings_lib.validate(config)
     config.data.train_files = str(tmp_path / "a.jsonl")
     config.data.heldout_files = f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"
     with pytest.raises(ConfigError, match=r"^data\.heldout_files: .*b\.jsonl does not exist$"):
-        settings_lib.check_inputs(config)
+        task_lib.load_task(config)
     config.data.heldout_files = ""
     config.model.checkpoint = str(tmp_path)
     with pytest.raises(ConfigError, match=r"^model\.checkpoint=.*no config\.json"):
