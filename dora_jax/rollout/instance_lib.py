@@ -15,7 +15,9 @@ with the trainer, and a turn that admits requests costs no extra host round trip
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -59,6 +61,8 @@ class RolloutInstance:
         # Slots whose request a stop string ended: the engine decodes on in them until freed.
         self._stopped: list[int] = []
         self._leaving: list[Request] = []  # finished in the read-back `collect` is recording
+        # Engine calls waiting for the params of the version `expect` took up (None: none due).
+        self._awaiting: list[Callable[[], None]] | None = None
 
     @property
     def name(self) -> str:
@@ -99,6 +103,9 @@ class RolloutInstance:
         """
         if self.active():
             raise RuntimeError(f"{self.name}: cannot switch versions with requests in its slots")
+        return self._place(version, state)
+
+    def _place(self, version: int, state: Any) -> tuple[float, int]:
         self.params = None
         target, dtype = self.engine.param_shardings, self.engine.param_dtype
         remote = isinstance(target, RemoteTarget)
@@ -123,10 +130,37 @@ class RolloutInstance:
             return self.engine.keep_base(placed)
         return None
 
+    def expect(self, version: int) -> None:
+        """Hosts `version` before its params are here (the trainer is still finishing it):
+        slots take requests from now on, and their engine calls wait for `receive`. The
+        controller receives them once every other instance's decode steps of the turn are
+        enqueued, so those decode while it waits for the trainer."""
+        if self.active():
+            raise RuntimeError(f"{self.name}: cannot switch versions with requests in its slots")
+        self.params = None
+        self.version = version
+        self._awaiting = []
+
+    @property
+    def expecting(self) -> bool:
+        return self._awaiting is not None
+
+    def receive(self, state: Any) -> tuple[float, int]:
+        """Places the expected version's params (as `load`), then enqueues the engine calls
+        that waited for them. Returns (seconds, bytes) of the placing."""
+        if self._awaiting is None or self.version is None:
+            raise RuntimeError(f"{self.name}: expects no params")
+        waiting, self._awaiting = self._awaiting, None
+        moved = self._place(self.version, state)
+        for call in waiting:
+            call()
+        return moved
+
     def unload(self) -> None:
         """Frees the hosted version's params (its version retired)."""
         self.params = None
         self.version = None
+        self._awaiting = None
 
     def dispatch_prefill(self, starts: list[tuple[Request, int]]) -> None:
         """Enqueues the admission of every (request, slot) pair: prompt plus anything the
@@ -137,6 +171,14 @@ class RolloutInstance:
         for _, slot in starts:
             if self.slots[slot] is not None:
                 raise RuntimeError(f"{self.name}: slot {slot} is busy")
+        if self._awaiting is not None:
+            self._awaiting.append(functools.partial(self._enqueue_admissions, starts))
+        else:
+            self._enqueue_admissions(starts)
+        for request, slot in starts:
+            self.slots[slot] = request
+
+    def _enqueue_admissions(self, starts: list[tuple[Request, int]]) -> None:
         self._free_stopped()
         by_bucket: dict[int, list[tuple[Request, int, EngineRequest]]] = {}
         for request, slot in starts:
@@ -158,11 +200,10 @@ class RolloutInstance:
             )
             result.copy_to_host_async()
             self._pending_prefill.append(([(r, s) for r, s, _ in group], result))
-        for request, slot in starts:
-            self.slots[slot] = request
 
     def dispatch_generate(self, steps: int) -> None:
         """Enqueues `steps` decode steps for every slot as one engine call (does not wait)."""
+        self._check_not_expecting()
         self._free_stopped()
         self.decode_state, self._pending_result = self.engine.generate_steps(
             self.params, self.decode_state, steps
@@ -239,6 +280,7 @@ class RolloutInstance:
 
     def export(self, slot: int) -> tuple[Request, Any]:
         """Moves a request's decoding state out (for a migration); the slot becomes free."""
+        self._check_not_expecting()
         request = self.slots[slot]
         exported = self.engine.export_slot(self.decode_state, slot)
         self._release(slot)
@@ -250,6 +292,7 @@ class RolloutInstance:
             raise RuntimeError(
                 f"{self.name} hosts v{self.version}, cannot take a v{request.version} request"
             )
+        self._check_not_expecting()
         self._free_stopped()
         self.decode_state = self.engine.import_slot(self.decode_state, slot, exported)
         self.slots[slot] = request
@@ -257,6 +300,7 @@ class RolloutInstance:
     def evict_all(self) -> list[Request]:
         """Takes every request out of the slots, keeping what they generated. One engine call:
         if it raises, every request is still in its slot for `fail`."""
+        self._check_not_expecting()
         active = self.active()
         if active or self._stopped:
             self.decode_state = self.engine.free_slot(self.decode_state, [*self._stopped, *active])
@@ -279,3 +323,7 @@ class RolloutInstance:
         self._pending_prefill = []
         self._stopped = []
         return requests
+
+    def _check_not_expecting(self) -> None:
+        if self._awaiting is not None:
+            raise RuntimeError(f"{self.name}: its version's params have not arrived")

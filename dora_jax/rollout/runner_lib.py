@@ -6,11 +6,14 @@ trainer's steps run on a worker thread, which also makes each new version's copy
 instances; the version is taken up at the first turn `publish_delay_steps` decode steps after
 its batch was handed over, or after the previous version was taken up if that was later (or at
 once if rollout has nothing left to do). So every decision depends on step counts, completions
-and versions only, and the same config and seed give the same ledger. The trainer holds up to
-`TRAINER_QUEUE` batches, so it starts its next step as soon as one ends rather than when the
-controller next takes a version up. The wall-clock overlap comes from JAX's asynchronous
-dispatch: every instance's decode steps are enqueued before any token is read back, and the
-trainer computes on its own mesh meanwhile.
+and versions only, and the same config and seed give the same ledger. A version is taken up
+before its params are back from the trainer: the controller makes the turn's decisions,
+enqueues the decode steps of every instance that keeps its version, and only then waits for
+them, so instances of older versions (DORA's tails) decode while the trainer finishes. The
+trainer holds up to `TRAINER_QUEUE` batches, so it starts its next step as soon as one ends
+rather than when the controller next takes a version up. The wall-clock overlap comes from
+JAX's asynchronous dispatch: every instance's decode steps are enqueued before any token is
+read back, and the trainer computes on its own mesh meanwhile.
 
 The paradigm (`paradigms_lib`) decides what to dispatch and which instance hosts which version;
 this module does the mechanics: dispatch, admission into slots, decode, finish, migrate, load
@@ -50,6 +53,9 @@ if TYPE_CHECKING:  # the rollout runs any trainer with this interface, in-proces
 # iteration), and the window admits new work against the batches selected, not the versions
 # published.
 TRAINER_QUEUE = 2
+
+# `Rollout.staged`'s entry for the version taken up this turn until its params come back.
+_ARRIVING = object()
 
 
 class _TrainingJob(NamedTuple):
@@ -127,6 +133,7 @@ class Rollout:
         self.metrics: list[dict[str, float]] = []
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
         self._jobs: collections.deque[_TrainingJob] = collections.deque()  # oldest first
+        self._taking_up: _TrainingJob | None = None  # its version taken up, its step unsettled
         self._admitting: set[int] = set()  # instances with admissions enqueued this turn
         self._publish_now = False  # nothing left to decode: take the next version up at once
         self._last_publish_us = self.trace.now_us()
@@ -150,10 +157,17 @@ class Rollout:
         return self.metrics
 
     def _turn(self) -> None:
+        self._plan_and_decode()
+        # A version taken up is settled within its turn whichever way the turn went (in
+        # `_decode` when the turn decodes), so the ledger's order never depends on timing.
+        self._settle(engines_idle=True)
+        self._receive_all()
+
+    def _plan_and_decode(self) -> None:
         progress = (self.totals["prefills"], self.selected)
         triggers: set[str] = set()
         if self._jobs and (self._publish_now or self.clock.version_due(self._jobs[0].handed_tick)):
-            self._publish()
+            self._take_up()
             every = self.checkpoint_every
             last = self.window.newest >= self.config.num_iterations
             # The last version's barrier checkpoints the final policy, for `eval` and for a run
@@ -163,6 +177,7 @@ class Rollout:
                 return
             triggers.add("new_version")
         if self._draining and not self.outstanding():
+            self._settle(engines_idle=True)  # the barrier saves the trainer at this version
             self._checkpoint()
             if self.window.newest >= self.config.num_iterations:
                 return
@@ -258,17 +273,27 @@ class Rollout:
 
     def _decode(self) -> int:
         """A turn's decode steps on every instance with a busy slot: every admission and
-        decode call is enqueued before anything is read back. Returns the steps it ran."""
+        decode call is enqueued before anything is read back, and those of instances that
+        keep their version before the controller waits for a version taken up this turn.
+        Returns the steps it ran."""
         t0 = self.trace.now_us()
         busy: list[list[int]] = [[] for _ in self.instances]  # per instance, per step run
-        stepping = [x for x in self.healthy() if x.active()]
         failed = []
         finished: list[Request] = []
-        for x in stepping:
-            try:
-                x.dispatch_generate(self.config.decode_steps_per_turn)
-            except Exception:  # noqa: BLE001 - any engine error takes the instance out
-                failed.append(x)
+
+        def dispatch(instances: list[RolloutInstance]) -> None:
+            for x in instances:
+                try:
+                    x.dispatch_generate(self.config.decode_steps_per_turn)
+                except Exception:  # noqa: BLE001 - any engine error takes the instance out
+                    failed.append(x)
+
+        dispatch([x for x in self.healthy() if x.active() and not x.expecting])
+        self._settle(engines_idle=False)
+        received = self._receive_all()
+        received_us = self.trace.now_us()  # their turn on the timeline starts after the load
+        dispatch([x for x in received if x.active()])
+        stepping = [x for x in self.healthy() if x.active()]
         for x in stepping:
             if x in failed:
                 continue
@@ -284,7 +309,8 @@ class Rollout:
             label = "decode" if busy[x.index] else "idle"
             if x.index in self._admitting:
                 label = "prefill+decode"
-            self.telemetry.state(x.name, f"{label} v{x.version}", t0, version=x.version)
+            start = received_us if x in received else t0
+            self.telemetry.state(x.name, f"{label} v{x.version}", start, version=x.version)
         self._admitting.clear()
         lags = [self.window.newest - x.version if busy[x.index] else 0 for x in self.instances]
         self.telemetry.decode_turn(busy, (now - t0) / 1e6, lags)
@@ -362,7 +388,15 @@ class Rollout:
         """Weight move: from `source` (an instance holding `version`) or the trainer's copy.
         An engine error takes out the instance at fault: `x`, or a source whose generation host
         cannot be read, after which another holder or the trainer's copy serves (taking `x`
-        out for its source's fault would cascade through every instance that copies from it)."""
+        out for its source's fault would cascade through every instance that copies from it).
+        The version taken up this turn comes from the trainer's copy once it is back
+        (`RolloutInstance.expect`, `_receive_all`)."""
+        if x.healthy and self.staged.get(version) is _ARRIVING:
+            try:
+                x.expect(version)
+            except Exception:  # noqa: BLE001 - as `x.load` would have: the instance goes out
+                self._fail(x)
+            return
         while x.healthy:
             if source is not None and not source.healthy:  # taken out since the plan was made
                 source = next((y for y in self.healthy() if y.version == version), None)
@@ -382,14 +416,40 @@ class Rollout:
             except Exception:  # noqa: BLE001 - any engine error takes the instance out
                 self._fail(x)
                 return
-            origin = "trainer" if source is None else source.name
-            self.telemetry.action(
-                x.name, f"load v{version}", t0, self.trace.now_us(), source=origin
-            )
-            self.telemetry.counters["weight_moves"] += 1
-            self.telemetry.counters["weight_move_s"] += seconds
-            self.telemetry.counters["weight_move_bytes"] += nbytes
+            self._count_load(x, t0, seconds, nbytes, source)
             return
+
+    def _receive_all(self) -> list[RolloutInstance]:
+        """Hands every instance expecting the version taken up its params (settled by now) and
+        so enqueues its admissions; returns those instances. An engine error takes the
+        instance out, its requests requeued."""
+        received = []
+        for x in self.healthy():
+            if not x.expecting:
+                continue
+            t0 = self.trace.now_us()
+            try:
+                seconds, nbytes = x.receive(self.staged[x.version])
+            except Exception:  # noqa: BLE001 - any engine error takes the instance out
+                self._fail(x)
+                continue
+            self._count_load(x, t0, seconds, nbytes, None)
+            received.append(x)
+        return received
+
+    def _count_load(
+        self,
+        x: RolloutInstance,
+        t0: float,
+        seconds: float,
+        nbytes: int,
+        source: RolloutInstance | None,
+    ) -> None:
+        origin = "trainer" if source is None else source.name
+        self.telemetry.action(x.name, f"load v{x.version}", t0, self.trace.now_us(), source=origin)
+        self.telemetry.counters["weight_moves"] += 1
+        self.telemetry.counters["weight_move_s"] += seconds
+        self.telemetry.counters["weight_move_bytes"] += nbytes
 
     def migrate(self, src: RolloutInstance, slot: int, dst: RolloutInstance, dst_slot: int) -> None:
         """Moves a request with its KV cache to another instance of the same version. An engine
@@ -445,7 +505,7 @@ class Rollout:
         self, batch: list[Trajectory], iteration: int, staging: tuple[Any, Any, Any]
     ) -> tuple[dict[str, float], float, float, Any]:
         """The trainer's step, then its new version's copy for the instances, back to back on
-        the worker while the controller decodes; `_publish` takes the version up later."""
+        the worker while the controller decodes; `_take_up` takes the version up later."""
         if self.trainer.version != iteration:
             raise RuntimeError(f"trainer at version {self.trainer.version}, expected {iteration}")
         t0 = self.trace.now_us()
@@ -453,19 +513,37 @@ class Rollout:
         t1 = self.trace.now_us()
         return metrics, t0, t1, self.trainer.publish(*staging)
 
-    def _publish(self) -> None:
-        job = self._jobs[0]
+    def _take_up(self) -> None:
+        """The next version becomes the newest: every decision from here on sees it, and its
+        params follow when `_settle` has them."""
+        job = self._jobs.popleft()
+        self._taking_up = job
+        self.staged[job.iteration + 1] = _ARRIVING
+        self.window.newest = job.iteration + 1
+        self.clock.took_up_version()
+        self._publish_now = False
+        self._retire()
+
+    def _settle(self, engines_idle: bool) -> None:
+        """Waits for the step of the version taken up this turn, if any, and records it: the
+        ledger's trained samples, the trainer's span, the iteration's metrics."""
+        job = self._taking_up
+        if job is None:
+            return
         wait0 = time.perf_counter()
         train_metrics, t0, t1, published = job.future.result()
-        self._jobs.popleft()
+        if published.version != self.window.newest:
+            raise RuntimeError(
+                f"trainer published v{published.version}, took up v{self.window.newest}"
+            )
+        self._taking_up = None
         # Trained once the step is done: a step that raises leaves its batch in the end
         # event's queued list, not claimed by the ledger.
         for traj in job.batch:
             self.ledger.train(traj, iteration=job.iteration, trainer_version=job.iteration)
             self.totals["trained"] += 1
-        waited = time.perf_counter() - wait0
-        # No instance decodes while the controller waits, busy slots or not: a bubble for all.
-        self.telemetry.idle_wait(waited)
+        if engines_idle:  # nothing decodes while the controller waits: a bubble for all
+            self.telemetry.idle_wait(time.perf_counter() - wait0)
         self.trace.span(
             TRAINER_TRACK,
             f"train iteration {job.iteration}",
@@ -474,10 +552,6 @@ class Rollout:
             version=job.iteration,
         )
         self.staged[published.version] = published.params
-        self.window.newest = published.version
-        self.clock.took_up_version()
-        self._publish_now = False
-        self._retire()
         now = self.trace.now_us()
         interval = (now - self._last_publish_us) / 1e6
         m = self.telemetry.iteration_metrics()
@@ -565,7 +639,8 @@ class Rollout:
     # -- end of run ---------------------------------------------------------------------------
 
     def _stop(self, stopped: str) -> None:
-        handed_over = [t for job in self._jobs for t in job.batch]  # not trained, as published
+        jobs = [*([self._taking_up] if self._taking_up else []), *self._jobs]
+        handed_over = [t for job in jobs for t in job.batch]  # not trained, as published
         self.ledger.end(
             {key: len(r.tokens) for key, r in self.unfinished.items()},
             self.queue.queued() + handed_over,

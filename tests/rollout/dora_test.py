@@ -220,3 +220,59 @@ def test_kv_pressure_triggers_against_the_cache_each_slot_holds(tmp_path):
     rollout.paradigm.rebalance = watched
     rollout.run()
     assert any(expected) and fired == expected
+
+
+def test_older_versions_decode_while_the_controller_waits_for_the_version_it_took_up(
+    tmp_path, monkeypatch
+):
+    """A version is taken up before the trainer's step is back: the turn enqueues the decode
+    steps of instances hosting older versions, then waits for the step, and only then does
+    anything run under the new version. With the same decisions, the ledger is the same on
+    every run."""
+    events = []
+    take_up, settle = runner_lib.Rollout._take_up, runner_lib.Rollout._settle
+
+    def taking_up(self):
+        take_up(self)
+        events.append(("take_up", self.window.newest))
+
+    def settling(self, engines_idle):
+        if self._taking_up is not None:
+            events.append(("settle", self._taking_up.iteration + 1))
+        settle(self, engines_idle)
+
+    monkeypatch.setattr(runner_lib.Rollout, "_take_up", taking_up)
+    monkeypatch.setattr(runner_lib.Rollout, "_settle", settling)
+    settings = dict(
+        mode="dora", num_instances=4, slots=4, group_size=4, train_batch_size=8,
+        rollout_batch_size=24, staleness_bound=2, num_iterations=6, median_length=6,
+        max_length=120, timer_steps=4,
+    )  # fmt: skip
+    rollout, _, engines = make_rollout(str(tmp_path / "a"), **settings)
+    for engine in engines:
+        real = engine.generate_steps
+
+        def decoding(params, decode_state, steps, _real=real):
+            events.append(("decode", params.version))
+            return _real(params, decode_state, steps)
+
+        engine.generate_steps = decoding
+    rollout.run()
+    assert audit_lib.audit(str(tmp_path / "a")).passed
+
+    overlapped = 0
+    for i, (kind, version) in enumerate(events):
+        if kind != "take_up":
+            continue
+        end = events.index(("settle", version), i)
+        between = [v for k, v in events[i + 1 : end] if k == "decode"]
+        assert all(v < version for v in between), (version, between)
+        overlapped += bool(between)
+    assert overlapped >= 3  # of 6 take-ups: the tails kept decoding through most
+    make_rollout(str(tmp_path / "b"), **settings)[0].run()
+    assert _ledger_text(tmp_path / "a") == _ledger_text(tmp_path / "b")
+
+
+def _ledger_text(workdir) -> str:
+    with open(workdir / ledger_lib.LEDGER_FILE) as f:
+        return f.read()

@@ -147,3 +147,55 @@ def test_a_request_finished_earlier_in_a_read_back_that_fails_comes_back_from_fa
         x.collect()
     assert len(short.tokens) == 2  # it had finished
     assert sorted(r.key for r in x.fail()) == [short.key, long.key]
+
+
+def test_an_instance_expecting_a_version_takes_requests_and_calls_its_engine_once_it_arrives():
+    """The turn that takes a version up admits its first requests before the trainer's copy is
+    back (`expect`): they take their slots at once, nothing reaches the engine (which holds
+    the previous version's params until then), and `receive` places the version and enqueues
+    the admissions, which then decode as under that version alone."""
+    engine = Engine(
+        create(DENSE, seed=0), max_concurrent_decodes=2, max_prefill_length=16, max_decode_length=8
+    )
+    calls = []
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("admit", "generate_steps", "free_slot", "export_slot", "import_slot"):
+        setattr(engine, name, counted(name, getattr(engine, name)))
+    x = RolloutInstance(0, engine)
+    x.load(0, engine.load_params(0).state)
+    v1 = create(DENSE, seed=1)  # another version: other weights
+    v1_params = engine.shard_params(nnx.state(v1), 1)
+    spec = PromptSpec(0, np.asarray([3, 7, 11], np.int32), (6,), ignore_eos=True)
+    request = Request(spec, sample_index=0, seed=4, version=1)
+    seed = request.prefill_seed()  # before it has tokens: a re-prefill draws with other keys
+
+    x.expect(1)
+    x.dispatch_prefill([(request, 1)])
+    assert x.expecting and x.version == 1 and x.free() == [0] and calls == []
+    with pytest.raises(RuntimeError, match="not arrived"):
+        x.dispatch_generate(6)
+    with pytest.raises(RuntimeError, match="not arrived"):
+        x.export(1)
+    assert calls == []
+
+    x.receive(v1_params.state)
+    assert not x.expecting and x.params.version == 1 and calls == ["admit"]
+    x.dispatch_generate(6)
+    assert x.collect()[0] == [request]
+    alone, under_v0 = (
+        generate_all(
+            engine, p, [EngineRequest(spec.tokens, max_new_tokens=6, ignore_eos=True, seed=seed)]
+        )[0]
+        for p in (v1_params, engine.load_params(0))
+    )
+    assert request.tokens == alone.tokens.tolist()
+    np.testing.assert_allclose(request.logprobs, alone.logprobs, atol=1e-5)
+    assert request.token_versions == [1] * 6
+    assert under_v0.tokens.tolist() != alone.tokens.tolist()  # the version placed matters

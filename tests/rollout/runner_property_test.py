@@ -308,10 +308,12 @@ def _raise_after(owner, method: str, calls: int) -> None:
         ("dora", "export_slot", 1),
         ("dora", "import_slot", 0),  # its destination: the request already left the source
         ("dora", "import_slot", 1),
-        ("dora", "load", 1),  # a weight move (on the instance: the params' placement)
+        # A weight move: the params' placement on the instance (`load`, or `receive` for the
+        # version taken up in the turn).
+        ("dora", "_place", 1),
         ("partial", "free_slot", 0),  # interrupting the in-flight requests at an update
         ("partial", "free_slot", 2),
-        ("partial", "load", 1),
+        ("partial", "_place", 1),
     ],
 )
 def test_an_engine_error_outside_decoding_takes_out_the_instance_and_loses_nothing(
@@ -326,7 +328,7 @@ def test_an_engine_error_outside_decoding_takes_out_the_instance_and_loses_nothi
         max_length=120, timer_steps=4, seed=0,
     )  # fmt: skip
     for i in range(3):
-        owner = rollout.instances[i] if method == "load" else engines[i]
+        owner = rollout.instances[i] if method == "_place" else engines[i]
         _raise_after(owner, method, calls)
     rollout.run()
     assert rollout.totals["failed_instances"] >= 1
