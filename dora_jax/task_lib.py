@@ -54,8 +54,8 @@ def load_task(config: ml_collections.ConfigDict) -> TaskData:
             seed=config.seed,
         )
         return TaskData(task.tokenizer(), memory_rows(train, "longtail"), heldout, demos, task)
-    heldout = _open_field(config, "heldout_files") if file_list(config.data.heldout_files) else None
     train = _open_field(config, "train_files")
+    heldout = _open_field(config, "heldout_files") if file_list(config.data.heldout_files) else None
     return TaskData(load_tokenizer(config.model.checkpoint), train, heldout, [], None)
 
 

@@ -137,7 +137,10 @@ def open_files(paths: Sequence[str | Path], fields: Sequence[str]) -> RowSource:
         elif suffix == ".parquet":
             reader = _ParquetReader(path, fields)
         elif suffix in (".array_record", ".arrayrecord"):
-            reader = grain.sources.ArrayRecordDataSource([path])
+            try:
+                reader = grain.sources.ArrayRecordDataSource([path])
+            except RuntimeError as e:  # its reader's word for a file it cannot read
+                raise ValueError(f"data file {path}: not a readable ArrayRecord file ({e})") from e
         else:
             raise ValueError(
                 f"data file {path}: unknown format {suffix!r} "

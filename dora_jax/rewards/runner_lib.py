@@ -44,9 +44,16 @@ from dora_jax.rewards.registry_lib import RewardFn
 _log = logging.getLogger(__name__)
 
 ISOLATIONS = ("process", "thread")
-# A worker process imports the reward's module (math-verify and sympy for `math`) before its
-# first call; that start-up is not the call's, so it has a budget of its own.
+# A worker process imports the reward's module (math-verify and sympy for `math`) and makes a
+# warm-up call before its first sample; that start-up is not the sample's, so it has a budget of
+# its own.
 _START_TIMEOUT_S = 300.0
+# What a fresh worker scores, unrecorded, before any sample: a reward's first call often pays
+# for lazy set-up (math-verify builds its parsers on it, 5x a later call), which must not count
+# against a sample's timeout. Otherwise a busy machine times out the first samples of every
+# fresh worker (a timed-out worker's replacement included), and a resumed run, whose workers
+# start cold on training samples, scores differently from the same run uninterrupted.
+_WARM_UP = ("\\boxed{1}", "1")
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -73,8 +80,17 @@ def _call(fn: RewardFn, completion: str, answer: str) -> _Outcome:
     # Any failure of user code scores 0 and never stops the run; `sys.exit` in it too, which
     # would otherwise end a thread worker silently, to be counted as a timeout.
     except (Exception, SystemExit) as e:
-        return _Outcome(True, math.nan, repr(e))
-    return _Outcome(False, _as_reward(value), repr(value)[:200])
+        return _Outcome(True, math.nan, _shown(e))
+    return _Outcome(False, _as_reward(value), _shown(value))
+
+
+def _shown(value: object) -> str:
+    """`value` for the log. Its `repr` is user code too, and can fail (a raising `__repr__`, an
+    int of over 4,300 digits): that must not turn a scored call into a lost one."""
+    try:
+        return repr(value)[:200]
+    except Exception:  # noqa: BLE001
+        return f"<a {type(value).__name__} that cannot be shown>"
 
 
 class RewardRunner:
@@ -236,7 +252,8 @@ class _Worker:
 
     A fresh interpreter running this module, not a `multiprocessing` child: those re-import the
     parent's `__main__`, which in a user's script without a `__main__` guard starts the whole
-    run again (and a forked JAX runtime is not safe). It finds modules where this process does.
+    run again (and a forked JAX runtime is not safe). It finds modules where this process does,
+    in the same order (`-P`: the working directory is not put first, unless it is here).
     """
 
     DIED = object()  # what `poll` returns once the process is gone
@@ -246,9 +263,10 @@ class _Worker:
         command = (
             f"from {__name__} import serve_worker; serve_worker({theirs.fileno()}, {os.getpid()})"
         )
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        path = [p or os.getcwd() for p in sys.path]  # "" is the working directory
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         self.process = subprocess.Popen(
-            [sys.executable, "-c", command],
+            [sys.executable, "-P", "-c", command],
             pass_fds=[theirs.fileno()],
             env=env,
             stdin=subprocess.DEVNULL,
@@ -352,6 +370,7 @@ def serve_worker(fd: int, runner_pid: int) -> None:
     except Exception as e:  # e.g. the module defining it does not import here
         connection.send(f"loading the reward failed: {e!r}")
         return
+    _call(fn, *_WARM_UP)
     connection.send("ready")
     while True:
         try:

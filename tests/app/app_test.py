@@ -354,7 +354,8 @@ def test_held_out_scores_during_rl_are_those_of_the_checkpoint_they_name(tmp_pat
 @pytest.mark.parametrize(
     "name, contents, says",
     [("heldout.jsonl", "", r"data files .*heldout\.jsonl.* hold no rows"),
-     ("heldout.csv", "prompt,answer\n", "heldout.csv: unknown format '.csv'")],
+     ("heldout.csv", "prompt,answer\n", "heldout.csv: unknown format '.csv'"),
+     ("heldout.array_record", "", r"heldout\.array_record: not a readable ArrayRecord")],
 )  # fmt: skip
 def test_a_data_file_that_is_no_data_is_refused_naming_the_field_before_the_workdir(
     tmp_path, name, contents, says

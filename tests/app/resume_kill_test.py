@@ -58,9 +58,11 @@ def _checkpoints(workdir: pathlib.Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
-def _reward_counters(workdir) -> list[tuple[int, float, float]]:
+def _reward_counters(workdir) -> list[tuple[int, float, float, float]]:
     records = metrics_lib.read_metrics(str(workdir))
-    return [(r["step"], r["reward/calls"], r["reward/errors"]) for r in records]
+    return [
+        (r["step"], r["reward/calls"], r["reward/errors"], r["reward/timeouts"]) for r in records
+    ]
 
 
 @pytest.mark.slow

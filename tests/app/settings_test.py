@@ -158,6 +158,9 @@ def test_missing_input_files_are_named_by_field_and_spaces_in_lists_are_dropped(
     config.data.heldout_files = f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"
     with pytest.raises(ConfigError, match=r"^data\.heldout_files: .*b\.jsonl does not exist$"):
         task_lib.load_task(config)
+    config.data.train_files = str(tmp_path / "c.jsonl")  # both fields wrong: the first named
+    with pytest.raises(ConfigError, match=r"^data\.train_files: .*c\.jsonl does not exist$"):
+        task_lib.load_task(config)
     config.data.heldout_files = ""
     config.model.checkpoint = str(tmp_path)
     with pytest.raises(ConfigError, match=r"^model\.checkpoint=.*no config\.json"):

@@ -209,6 +209,9 @@ def test_configuration_errors_name_the_field(tmp_path):
         open_files([tmp_path / "missing.jsonl"], ["prompt"])
     with pytest.raises(ValueError, match="no rows"):
         open_files([write_jsonl(tmp_path / "empty.jsonl", [])], ["prompt"])
+    (tmp_path / "empty.array_record").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.array_record: not a readable ArrayRecord"):
+        open_files([tmp_path / "empty.array_record"], ["prompt"])
 
 
 def test_iterator_state_survives_the_orbax_checkpointer(tmp_path):

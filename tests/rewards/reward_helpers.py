@@ -3,6 +3,7 @@
 import os
 import re
 import sys
+import time
 
 
 def length_reward(completion: str, answer: str, scale: float = 1.0) -> float:
@@ -37,3 +38,29 @@ def calls_sys_exit(completion: str, answer: str) -> float:
 def spins(completion: str, answer: str) -> float:
     while True:  # a call that never returns, as one stuck in C code never does
         pass
+
+
+class Unshowable:
+    """A returned value whose `repr` raises, as a user's own result type might."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def unprintable(completion: str, answer: str) -> object:
+    if completion == "huge":
+        return 10**5000  # an int Python refuses to print (over 4,300 digits)
+    if completion == "odd":
+        return Unshowable()
+    return 1.0
+
+
+_CALLS_HERE: list[int] = []
+
+
+def slow_first_call(completion: str, answer: str) -> float:
+    """Lazy set-up on a process's first call (as math-verify builds its parsers), then fast."""
+    if not _CALLS_HERE:
+        time.sleep(3.0)
+    _CALLS_HERE.append(1)
+    return float(completion == answer)

@@ -292,3 +292,50 @@ def test_uncounted_scores_leave_the_counters_alone():
     assert runner.counters == RewardCounters()
     runner.score([(2, "raise", "")])
     assert runner.counters == RewardCounters(calls=1, errors=1)
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_returned_value_that_cannot_be_shown_is_an_error_and_its_worker_stays(caplog, isolation):
+    """The log shows what a reward returned, and showing it is user code too: a `repr` that
+    raises, or an int too long to print, was a lost call (a thread counted as timed out, a
+    worker process dead and restarted)."""
+    runner = RewardRunner(
+        reward_helpers.unprintable, timeout_s=30.0, workers=1, isolation=isolation
+    )
+    with caplog.at_level(logging.WARNING):
+        assert runner.score([(0, "huge", ""), (1, "odd", ""), (2, "x", "")]) == [0.0, 0.0, 1.0]
+    assert (runner.counters.errors, runner.counters.timeouts) == (2, 0)
+    assert not any("died" in m for m in caplog.messages)
+    assert any("Unshowable that cannot be shown" in m for m in caplog.messages)
+    runner.close()
+
+
+def test_a_fresh_workers_lazy_set_up_does_not_count_against_a_samples_timeout():
+    """A reward's first call in a process pays for its lazy set-up (here 3 s against a 1 s
+    timeout); each worker makes that call before it takes a sample, so no sample times out,
+    and a resumed run's cold workers score as the uninterrupted run's warm ones did."""
+    runner = RewardRunner(reward_helpers.slow_first_call, timeout_s=1.0, workers=2)
+    assert runner.score([(0, "a", "a"), (1, "b", "a"), (2, "c", "c")]) == [1.0, 0.0, 1.0]
+    assert runner.counters.timeouts == 0
+    runner.close()
+
+
+def test_a_worker_imports_the_reward_module_the_controller_imported(tmp_path, monkeypatch):
+    """A worker unpickles the reward by module name: it must find the controller's module, not
+    a file of the same name in the working directory (which `python -c` puts first)."""
+    mine, stale = tmp_path / "mine", tmp_path / "cwd"
+    for directory, value in ((mine, 1.0), (stale, -7.0)):
+        directory.mkdir()
+        (directory / "probe_reward_module.py").write_text(
+            f"def score(completion, answer):\n    return {value}\n"
+        )
+    monkeypatch.syspath_prepend(str(mine))
+    monkeypatch.chdir(stale)
+    import probe_reward_module
+
+    try:
+        runner = RewardRunner(probe_reward_module.score, timeout_s=30.0, workers=1)
+        assert runner.score([(0, "x", "")]) == [1.0]
+        runner.close()
+    finally:
+        del sys.modules["probe_reward_module"]
