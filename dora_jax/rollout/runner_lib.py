@@ -160,7 +160,7 @@ class Rollout:
         self._plan_and_decode()
         # A version taken up is settled within its turn whichever way the turn went (in
         # `_decode` when the turn decodes), so the ledger's order never depends on timing.
-        self._settle(engines_idle=True)
+        self._settle()
         self._receive_all()
 
     def _plan_and_decode(self) -> None:
@@ -177,7 +177,7 @@ class Rollout:
                 return
             triggers.add("new_version")
         if self._draining and not self.outstanding():
-            self._settle(engines_idle=True)  # the barrier saves the trainer at this version
+            self._settle()  # the barrier saves the trainer at this version
             self._checkpoint()
             if self.window.newest >= self.config.num_iterations:
                 return
@@ -289,7 +289,9 @@ class Rollout:
                     failed.append(x)
 
         dispatch([x for x in self.healthy() if x.active() and not x.expecting])
-        self._settle(engines_idle=False)
+        settle_us = self.trace.now_us()
+        self._settle()
+        settle_us = self.trace.now_us() - settle_us
         received = self._receive_all()
         received_us = self.trace.now_us()  # their turn on the timeline starts after the load
         dispatch([x for x in received if x.active()])
@@ -313,7 +315,9 @@ class Rollout:
             self.telemetry.state(x.name, f"{label} v{x.version}", start, version=x.version)
         self._admitting.clear()
         lags = [self.window.newest - x.version if busy[x.index] else 0 for x in self.instances]
-        self.telemetry.decode_turn(busy, (now - t0) / 1e6, lags)
+        # The wait for the trainer counts as idle for every instance (`_settle`), as if none
+        # decoded meanwhile: when they finished is not known, so the bubble is not understated.
+        self.telemetry.decode_turn(busy, (now - t0 - settle_us) / 1e6, lags)
         for x in failed:
             self._fail(x)
         return max(map(len, busy))
@@ -524,7 +528,7 @@ class Rollout:
         self._publish_now = False
         self._retire()
 
-    def _settle(self, engines_idle: bool) -> None:
+    def _settle(self) -> None:
         """Waits for the step of the version taken up this turn, if any, and records it: the
         ledger's trained samples, the trainer's span, the iteration's metrics."""
         job = self._taking_up
@@ -532,6 +536,7 @@ class Rollout:
             return
         wait0 = time.perf_counter()
         train_metrics, t0, t1, published = job.future.result()
+        self.telemetry.idle_wait(time.perf_counter() - wait0)
         if published.version != self.window.newest:
             raise RuntimeError(
                 f"trainer published v{published.version}, took up v{self.window.newest}"
@@ -542,8 +547,6 @@ class Rollout:
         for traj in job.batch:
             self.ledger.train(traj, iteration=job.iteration, trainer_version=job.iteration)
             self.totals["trained"] += 1
-        if engines_idle:  # nothing decodes while the controller waits: a bubble for all
-            self.telemetry.idle_wait(time.perf_counter() - wait0)
         self.trace.span(
             TRAINER_TRACK,
             f"train iteration {job.iteration}",

@@ -236,10 +236,10 @@ def test_older_versions_decode_while_the_controller_waits_for_the_version_it_too
         take_up(self)
         events.append(("take_up", self.window.newest))
 
-    def settling(self, engines_idle):
+    def settling(self):
         if self._taking_up is not None:
             events.append(("settle", self._taking_up.iteration + 1))
-        settle(self, engines_idle)
+        settle(self)
 
     monkeypatch.setattr(runner_lib.Rollout, "_take_up", taking_up)
     monkeypatch.setattr(runner_lib.Rollout, "_settle", settling)
