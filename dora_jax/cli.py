@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -66,6 +67,9 @@ def _config(command: str):
 
 def _train(argv: list[str]) -> None:
     del argv
+    # What `timeout`, Slurm, Kubernetes and docker send to stop a job: stopping as on Ctrl-C
+    # writes the ledger's end event and lets a checkpoint being saved finish.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     config = _config("train")
     from dora_jax import app_lib
 
@@ -106,7 +110,14 @@ def _audit(argv: list[str]) -> None:
     from dora_jax.rollout import audit_lib
 
     workdir = argv[1] if len(argv) > 1 else _workdir()
-    sys.exit(audit_lib.main(workdir))
+    try:
+        code = audit_lib.main(workdir)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `dora-jax audit DIR | head`: the reader has what it wanted
+        # Flushing at exit would raise again: stdout goes where nothing is read.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
 
 
 def _bench(argv: list[str]) -> None:
@@ -147,16 +158,28 @@ def _host(argv: list[str]) -> None:
 _APPLYING_OVERRIDES = os.path.join("config_flags", "config_path.py")
 
 
-def _without_traceback(command: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
+def _without_traceback(
+    name: str, command: Callable[[list[str]], None], arguments: int = 0
+) -> Callable[[list[str]], None]:
     """A `ConfigError` (a bad field, flag, input file or workdir, refused at start) or a stop by
     the data policy (a bad row under `data.on_bad_row=error`, or no usable row in a whole pass)
-    ends the command with its message alone, which names the field or the file and row; anything
-    else that goes wrong keeps its traceback."""
+    ends the command with its message alone, which names the field or the file and row, and so
+    does an interruption (Ctrl-C, or SIGTERM to `train`); anything else that goes wrong keeps
+    its traceback. More than `arguments` positional arguments are refused: a stray word was
+    ignored, and a misspelled flag with it."""
 
     @functools.wraps(command)
     def run(argv: list[str]) -> None:
+        if len(argv) > 1 + arguments:
+            sys.exit(f"dora-jax {name}: unexpected argument(s) {argv[1 + arguments :]}")
         try:
             command(argv)
+        except KeyboardInterrupt:
+            resume = " (the same command resumes from the newest checkpoint)"
+            print(
+                f"dora-jax {name}: interrupted{resume if name == 'train' else ''}", file=sys.stderr
+            )
+            sys.exit(130)
         except Exception as e:
             # Imported here: the data pipeline imports jax, which the command sets up first.
             from dora_jax.data.pipeline_lib import BadRowError, NoUsableRowsError
@@ -187,7 +210,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 COMMANDS = {
-    name: _without_traceback(command)
+    name: _without_traceback(name, command, arguments=1 if name == "audit" else 0)
     for name, command in {
         "train": _train,
         "eval": _eval,

@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import traceback
+import types
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -153,6 +155,7 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 def _validate(config: ml_collections.ConfigDict) -> Settings:
     _check_field_names(config)
+    _check_number_types(config)
     if config.model.dtype not in DTYPES:
         raise ValueError(f"model.dtype={config.model.dtype!r}: expected one of {list(DTYPES)}")
     if config.data.source not in ("longtail", "files"):
@@ -234,6 +237,43 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
             f"model.checkpoint={config.model.checkpoint!r}: not a Hugging Face model directory "
             "(it has no config.json)"
         )
+
+
+# Numeric fields outside the `train` and `rollout` sections, whose dataclasses type theirs: a
+# config file's `"1.0"` (a string) failed a comparison deep in a library, naming no field.
+_NUMBER_FIELDS = {
+    "seed": int,
+    "engine.temperature": float,
+    "engine.top_k": int,
+    "engine.top_p": float,
+    "eval.temperature": float | None,
+    "eval.top_k": int | None,
+    "eval.top_p": float | None,
+    "reward.timeout_s": float,
+    "runtime.host_timeout_s": float,
+}
+
+
+def _check_number_types(config: ml_collections.ConfigDict) -> None:
+    """Refuses a number field holding anything but a number (an integer field, a non-integer),
+    naming it. A bool is no number here, as it is no count (`config_fields_lib`)."""
+    expected = dict(_NUMBER_FIELDS)
+    for section, cls in (("train", TrainConfig), ("rollout", RolloutConfig)):
+        hints = typing.get_type_hints(cls)
+        expected.update({f"{section}.{name}": kind for name, kind in hints.items()})
+    for field, kind in expected.items():
+        section, _, name = field.rpartition(".")
+        values = config.get(section, {}) if section else config
+        if name not in values:
+            continue
+        value, kinds = values[name], set(typing.get_args(kind)) or {kind}
+        if not kinds <= {int, float, types.NoneType} or (value is None and types.NoneType in kinds):
+            continue
+        numeric = not isinstance(value, bool) and isinstance(value, int | float)
+        if int in kinds and not (numeric and isinstance(value, int)):
+            raise ValueError(f"{field}={value!r}: must be an integer")
+        if float in kinds and not numeric:
+            raise ValueError(f"{field}={value!r}: must be a number")
 
 
 def _check_field_names(config: ml_collections.ConfigDict) -> None:

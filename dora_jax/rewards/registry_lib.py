@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import logging
 import os
 import re
 import sys
@@ -125,6 +126,18 @@ def math_reward(completion: str, answer: str) -> float:
 
 def _parse(text: str) -> list:
     return math_verify.parse(text, parsing_timeout=None)
+
+
+class _WeEnforceTheTimeout(logging.Filter):
+    """Drops math-verify's warning that its timeouts are off (they are, on purpose: see
+    `math_reward`), which every reward worker process printed once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _module in ("math_verify.grader", "math_verify.parser"):
+    logging.getLogger(_module).addFilter(_WeEnforceTheTimeout())
 
 
 # sympy computes a power of numbers exactly, in C, holding the GIL: one completion boxing

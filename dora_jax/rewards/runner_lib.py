@@ -364,6 +364,9 @@ def _serve_jobs(jobs: queue.SimpleQueue[Any]) -> None:
 def serve_worker(fd: int, runner_pid: int) -> None:
     """A worker process's main loop, on the socket `fd` its runner handed it."""
     _die_with(runner_pid)
+    # Ctrl-C reaches the whole process group: the runner stops its workers, and a worker's own
+    # KeyboardInterrupt only printed a traceback each.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     connection = multiprocessing.connection.Connection(fd)
     try:
         fn = pickle.loads(connection.recv_bytes())

@@ -8,7 +8,8 @@ responses than either.
 Independent of the runtime on purpose: it trusts nothing but `ledger.jsonl`, so a bug in the
 orchestrator's own bookkeeping cannot hide a lost, duplicated or too-stale sample. Besides
 C1-C3 it checks that the run `completed`: a crashed run's ledger still ends with an `end`
-event (the runner writes it on the way out), whose `stopped` says so, and it is no clean run.
+event (the runner writes it on the way out, on Ctrl-C and SIGTERM too), whose `stopped` says
+so, and it is no clean run; a killed run's (SIGKILL, out of memory) has none and fails as such.
 A ledger that cannot be read (missing, cut off mid-write, an event without a key) is a
 failure too: `main` prints the reason, naming the file and line, instead of auditing part of it.
 """
@@ -22,6 +23,10 @@ from typing import Any
 import numpy as np
 
 from dora_jax.rollout import ledger_lib
+
+# How a ledger without an end event stopped: the runner writes one however a run ends, unless
+# the process is killed outright (SIGKILL, out of memory).
+_KILLED = "killed: the ledger has no end event"
 
 
 @dataclasses.dataclass
@@ -140,17 +145,25 @@ def audit_events(events: list[dict[str, Any]]) -> AuditReport:
             problems["C2"].append(f"sample {key} trained {n} times")
         if key not in dispatched:
             problems["C2"].append(f"sample {key} trained but never dispatched")
-    if len(ends) != 1:
-        problems["C2"].append(f"expected one end event, found {len(ends)} (run did not stop?)")
-    end = ends[-1] if ends else {"in_flight": [], "queued": [], "queued_response_lengths": []}
+    if len(ends) > 1:
+        problems["C2"].append(f"expected one end event, found {len(ends)}")
+    end = ends[-1] if ends else {"in_flight": [], "queued": [], "stopped": _KILLED}
     in_flight = {tuple(k_) for k_ in end["in_flight"]}
     queued = {tuple(k_) for k_ in end["queued"]}
     for key in sorted(in_flight & queued):
         problems["C2"].append(f"sample {key} listed both in flight and queued")
     for key in sorted((in_flight | queued) & set(trained_count)):
         problems["C2"].append(f"sample {key} trained and still listed at the end")
-    for key in sorted(dispatched - set(trained_count) - in_flight - queued):
-        problems["C2"].append(f"sample {key} dispatched, never trained, not in flight: lost")
+    untrained = sorted(dispatched - set(trained_count) - in_flight - queued)
+    if not ends:  # what was unfinished is not known, so none of it can be called lost
+        problems["C2"].append(
+            f"no end event, so the {len(untrained)} dispatched samples not trained cannot be "
+            "checked: the run was killed; a rerun of its command resumes from its newest "
+            "checkpoint, and the resumed run's ledger is audited whole"
+        )
+    else:
+        for key in untrained:
+            problems["C2"].append(f"sample {key} dispatched, never trained, not in flight: lost")
     groups: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
     for e in trains:
         groups[(e["iteration"], e["prompt_id"])].append(e["sample_index"])

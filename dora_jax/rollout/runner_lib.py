@@ -305,8 +305,11 @@ class Rollout:
                 failed.append(x)
                 continue
             finished.extend(done)
+        scoring_us = self.trace.now_us()
         self._finish(finished)
         now = self.trace.now_us()
+        if finished:
+            self.telemetry.scored(len(finished), scoring_us, now)
         for x in self.healthy():
             label = "decode" if busy[x.index] else "idle"
             if x.index in self._admitting:
@@ -317,7 +320,8 @@ class Rollout:
         lags = [self.window.newest - x.version if busy[x.index] else 0 for x in self.instances]
         # The wait for the trainer counts as idle for every instance (`_settle`), as if none
         # decoded meanwhile: when they finished is not known, so the bubble is not understated.
-        self.telemetry.decode_turn(busy, (now - t0 - settle_us) / 1e6, lags)
+        # So does scoring the turn's finished samples, when nothing is enqueued.
+        self.telemetry.decode_turn(busy, (scoring_us - t0 - settle_us) / 1e6, lags)
         for x in failed:
             self._fail(x)
         return max(map(len, busy))

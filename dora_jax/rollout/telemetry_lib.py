@@ -6,7 +6,8 @@ The two bubbles of DESIGN.md are measured apart, both weighted by wall time:
   its slots that hold a request. The long tail of a synchronous batch shows up here.
 - `bubble_fraction` (the inter-instance bubble): the fraction of instance-time with nothing to
   decode. Each decode step's duration counts for every instance, and time the controller spends
-  waiting for the trainer counts as idle for all of them.
+  waiting for the trainer or scoring finished samples (`reward_s`; a track of its own in the
+  trace) counts as idle for all of them.
 
 Beside them, logical counts (`instance_steps`, split by how far each instance's version lags
 the newest: `instance_steps/lag0`, ..., with `busy_slot_steps/` and `slot_steps/` for the
@@ -21,6 +22,7 @@ from typing import Any
 from dora_jax.observe.trace_lib import TraceWriter
 
 TRAINER_TRACK = "trainer"
+REWARD_TRACK = "rewards"
 # Lags from the newest version at or past this one count together: K may be large, and what
 # matters is how much decoding goes to the versions well behind the newest.
 LAG_BUCKETS = 3
@@ -101,6 +103,14 @@ class Telemetry:
 
     def idle_wait(self, seconds: float) -> None:
         self.total_time += seconds
+
+    def scored(self, samples: int, start_us: float, end_us: float) -> None:
+        """A turn's finished samples were scored from `start_us` to `end_us`: a slow reward
+        shows on its own track and in `reward_s`, not as decoding."""
+        self.trace.span(REWARD_TRACK, f"score {samples}", start_us, end_us, samples=samples)
+        seconds = (end_us - start_us) / 1e6
+        self.counters["reward_s"] += seconds
+        self.idle_wait(seconds)
 
     def iteration_metrics(self) -> dict[str, float]:
         total = max(self.total_time, 1e-12)

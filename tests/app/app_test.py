@@ -161,8 +161,11 @@ def test_cli_help_lists_its_flags_and_host_flags_are_refused_elsewhere():
     assert "--version" in shown.stdout and "export" in shown.stdout
 
 
-# `dora-jax train`, interrupted (Ctrl-C, a preemption) while its checkpoint 2 is being written.
+# `dora-jax train`, stopped by SIGTERM (a preemption, `timeout`, Slurm, Kubernetes) while its
+# checkpoint 2 is being written.
 _INTERRUPTED_AT_ITERATION_3 = """
+import os
+import signal
 import sys
 from dora_jax import cli
 from dora_jax.train import checkpoint_lib
@@ -172,7 +175,7 @@ save = checkpoint_lib.Checkpointer.save
 def save_then_interrupt(self, step, **items):
     save(self, step, **items)  # orbax goes on writing in the background
     if step == 2:
-        raise KeyboardInterrupt("interrupted at iteration 3")
+        os.kill(os.getpid(), signal.SIGTERM)
 
 checkpoint_lib.Checkpointer.save = save_then_interrupt
 sys.argv = ["dora-jax", "train", "--config=configs/default.py", "--workdir=" + sys.argv[1],
@@ -187,12 +190,34 @@ cli.run()
 @pytest.mark.slow
 def test_a_run_interrupted_keeps_the_checkpoint_it_was_writing(tmp_path):
     """Checkpoints save in the background: a run interrupted while one was being written lost
-    it (left as a tmp directory), and its restart began again from scratch."""
+    it (left as a tmp directory), and its restart began again from scratch. SIGTERM stops a
+    run as Ctrl-C does (it killed it outright, without the ledger's end event), with one line
+    that says how to go on."""
     died = subprocess.run([sys.executable, "-c", _INTERRUPTED_AT_ITERATION_3, str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert died.returncode != 0 and "interrupted at iteration 3" in died.stderr
+    assert died.returncode == 130, died.stderr[-2000:]
+    (line,) = [line for line in died.stderr.splitlines() if line.startswith("dora-jax")]
+    assert (
+        line == "dora-jax train: interrupted (the same command resumes from the newest checkpoint)"
+    )
+    assert "Traceback" not in died.stderr
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if "tmp" in p.name]
     assert Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 2
+    end = list(ledger_lib.read(str(tmp_path)))[-1]
+    assert end["event"] == "end" and end["stopped"].startswith("KeyboardInterrupt")
+
+
+def test_cli_refuses_stray_arguments(tmp_path):
+    """`train --config=... extra` ran the whole default run, the word ignored; `audit A B`
+    audited A alone."""
+    command = [sys.executable, "-m", "dora_jax.cli"]
+    for args, stray in [(["train", "--config=configs/default.py", "extra"], "['extra']"),
+                        (["audit", str(tmp_path), "other"], "['other']")]:  # fmt: skip
+        refused = subprocess.run(command + args + [f"--workdir={tmp_path / 'run'}"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert refused.returncode == 1
+        assert refused.stderr.strip().endswith(f"unexpected argument(s) {stray}"), refused.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_workdir_that_is_not_a_local_directory_is_refused():

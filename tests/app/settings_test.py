@@ -4,8 +4,10 @@ run-defining fields."""
 from __future__ import annotations
 
 import os
+import re
 import types
 
+import ml_collections
 import pytest
 
 from configs import bench_longtail, default
@@ -97,6 +99,28 @@ def test_a_misspelled_field_in_a_config_file_is_refused(section, misspelled):
     named = misspelled if section is None else f"{section}.{misspelled}"
     with pytest.raises(ValueError, match=rf"unknown config field.*'{named}'"):
         settings_lib.validate(config)
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [("engine.temperature", "1.0", "must be a number"),
+     ("train.learning_rate", "2e-4", "must be a number"),
+     ("reward.timeout_s", "5", "must be a number"),
+     ("seed", "0", "must be an integer"),
+     ("rollout.staleness_bound", 2.0, "must be an integer"),
+     ("engine.top_k", True, "must be an integer")],
+)  # fmt: skip
+def test_a_config_files_number_of_the_wrong_type_is_refused_naming_it(field, value, says):
+    """A config file is Python: `temperature = "1.0"` failed a comparison deep in a library
+    (`'<=' not supported between 'float' and 'str'`), or past validation (`seed`), naming no
+    field. Overrides cannot do this: ml_collections casts them to the field's type."""
+    values = default.get_config().to_dict()
+    section, _, name = field.rpartition(".")
+    (values[section] if section else values)[name] = value
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(field)}={re.escape(repr(value))}: {says}$"
+    ):
+        settings_lib.validate(ml_collections.ConfigDict(values))
 
 
 def test_a_run_saved_before_a_field_existed_resumes_with_the_fields_old_behaviour(tmp_path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -102,6 +104,21 @@ def test_each_violation_is_caught(tmp_path, mutate, rule):
     assert audit_lib.main(str(tmp_path)) == 1
 
 
+def test_a_killed_runs_ledger_fails_as_killed_without_calling_its_unfinished_samples_lost(
+    tmp_path,
+):
+    """SIGKILL or an out-of-memory kill leaves no end event: the run did not complete, and
+    what it had unfinished is not known (a resume regenerates it), so nothing is called lost."""
+    events = _clean()[:-1]
+    report = _write(tmp_path, events)
+    assert report.rules == {"C1": True, "C2": False, "C3": True, "completed": False}
+    assert report.stopped.startswith("killed")
+    (line,) = report.problems["C2"]
+    assert line.startswith("no end event, so the 2 dispatched samples not trained cannot be")
+    assert "lost" not in report.format()
+    assert "(the run did not complete: killed" in report.format().splitlines()[0]
+
+
 def test_clean_ledger_has_the_completed_rule_and_reads_as_before(tmp_path):
     # `_clean()` is in the format from before `stopped` / `num_iterations`: it must pass, with
     # the new rule reported and no "of N" iteration count it could not know.
@@ -185,7 +202,7 @@ def test_ledger_cut_off_between_lines_still_audits(tmp_path):
     text = _text(_clean())
     (tmp_path / "ledger.jsonl").write_bytes(text[: text.rindex(b"{")])
     report = audit_lib.audit(str(tmp_path))
-    assert not report.rules["C2"] and "found 0" in report.problems["C2"][0]
+    assert not report.rules["C2"] and "no end event" in report.problems["C2"][0]
     (tmp_path / "ledger.jsonl").write_bytes(text[:-1])
     assert audit_lib.audit(str(tmp_path)).passed
 
@@ -243,3 +260,21 @@ def test_audit_events_rejects_a_malformed_event():
     del events[8]["staleness"]
     with pytest.raises(ledger_lib.LedgerError, match=r"^event 8: train event lacks 'staleness'$"):
         audit_lib.audit_events(events)
+
+
+def test_audit_piped_into_head_ends_quietly(tmp_path):
+    """`dora-jax audit DIR | head` ended in a BrokenPipeError traceback once `head` had its
+    lines; a long report (here 20,000 lost samples) writes past the pipe's buffer."""
+    events = _clean()
+    events[-1:-1] = [
+        {"event": "dispatch", "prompt_id": 10 + p, "sample_index": i, "version": 0, "iteration": 0}
+        for p in range(10_000)
+        for i in range(2)
+    ]
+    _write(tmp_path, events)
+    piped = subprocess.run(
+        f"{sys.executable} -m dora_jax.cli audit {tmp_path} | head -n 2",
+        shell=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert piped.stdout.startswith("audit of a 'dora' run: FAIL")
+    assert piped.stderr == ""

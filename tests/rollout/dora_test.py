@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 from rollout_harness import make_rollout
 
@@ -276,3 +277,34 @@ def test_older_versions_decode_while_the_controller_waits_for_the_version_it_too
 def _ledger_text(workdir) -> str:
     with open(workdir / ledger_lib.LEDGER_FILE) as f:
         return f.read()
+
+
+def test_a_slow_reward_shows_as_scoring_not_as_decoding(tmp_path):
+    """Scoring a turn's finished samples stalls every instance; it was counted and drawn as
+    decoding, so a slow reward looked like a busy engine. It has a trace track and a metric of
+    its own, and counts in the bubble."""
+    rollout, _, _ = make_rollout(
+        str(tmp_path), mode="dora", group_size=2, train_batch_size=4, rollout_batch_size=8,
+        num_iterations=3, median_length=3, max_length=12,
+    )  # fmt: skip
+    score, calls = rollout.reward_fn, []
+
+    def slow(batch):
+        calls.append(len(batch))
+        time.sleep(0.05)
+        return score(batch)
+
+    rollout.reward_fn = slow
+    metrics = rollout.run()
+    reward_s = sum(m.get("reward_s", 0.0) for m in metrics)
+    assert reward_s >= 0.05 * len(calls) * 0.9  # the last calls may fall after the last version
+    assert sum(m["rollout_time_s"] for m in metrics) < reward_s / 2  # the doubles decode fast
+    assert all(m["bubble_fraction"] > 0.5 for m in metrics)
+    with open(tmp_path / "trace.json") as f:
+        trace = json.load(f)
+    (track,) = [
+        e["tid"] for e in trace["traceEvents"] if e["ph"] == "M" and e["args"]["name"] == "rewards"
+    ]
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == track]
+    assert [e["args"]["samples"] for e in spans] == calls
+    assert all(e["dur"] >= 50_000 for e in spans)
