@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 from dora_jax.config_fields_lib import ConfigError
 from dora_jax.data import (
     LongTailTask,
+    MissingFieldError,
     Tokenizer,
     file_list,
     load_tokenizer,
@@ -61,11 +63,14 @@ def load_task(config: ml_collections.ConfigDict) -> TaskData:
 
 def _open_field(config: ml_collections.ConfigDict, field: str) -> Any:
     """The rows of `data.<field>`'s files; a file that cannot be read as data (empty, of an
-    unknown format, unreadable) refuses the run, naming the field."""
+    unknown format, unreadable) refuses the run, naming the field, and one whose rows lack the
+    prompt or answer field names that field."""
+    names = {"prompt_field": config.data.prompt_field, "answer_field": config.data.answer_field}
     try:
-        return open_files(
-            file_list(config.data[field]), (config.data.prompt_field, config.data.answer_field)
-        )
+        return open_files(file_list(config.data[field]), tuple(names.values()))
+    except MissingFieldError as e:
+        (name,) = [n for n, value in names.items() if value == e.field][:1]
+        raise ConfigError(f"data.{name}={e.field!r}: {e}") from e
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.{field}: {e}") from e
 
@@ -122,6 +127,11 @@ class PromptStream:
         return answer
 
 
+# Reward calls after which, if every one failed, the run says so once: each failure is logged
+# as a warning among many, scores 0, and a run that learns nothing otherwise ends "fine".
+ALL_FAILED_AFTER = 32
+
+
 class RewardAdapter:
     """(prompt id, response tokens) -> reward: the task's, through the timeout-safe
     `RewardRunner`, plus the overlong penalty of the response's length."""
@@ -138,6 +148,7 @@ class RewardAdapter:
         self.prompts = prompts
         self.overlong = overlong
         self.penalized = 0
+        self._said_all_failed = False
 
     def __call__(self, batch: Sequence[tuple[int, np.ndarray]]) -> list[float]:
         """A turn's finished samples, scored by the runner's workers together."""
@@ -150,7 +161,22 @@ class RewardAdapter:
             penalty = self.overlong(len(tokens))
             self.penalized += penalty < 0
             rewards.append(reward + penalty)
+        self._check_not_all_failed()
         return rewards
+
+    def _check_not_all_failed(self) -> None:
+        c = self.runner.counters
+        if self._said_all_failed or c.calls < ALL_FAILED_AFTER or c.errors + c.timeouts < c.calls:
+            return
+        self._said_all_failed = True
+        logging.warning(
+            "every one of the run's %d reward calls so far failed (%d errors, %d timeouts): "
+            "every reward is 0 and the policy learns nothing; check reward.name and the "
+            "function (the warnings above name each failure)",
+            c.calls,
+            c.errors,
+            c.timeouts,
+        )
 
     def restore_metrics(self, saved: dict[str, float]) -> None:
         """Continues the counters `metrics()` returned when a checkpoint was saved."""

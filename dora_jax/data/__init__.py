@@ -9,7 +9,13 @@ from dora_jax.data.pipeline_lib import (
     prompt_dataset,
     prompt_tokens,
 )
-from dora_jax.data.source_lib import RowSource, file_list, memory_rows, open_files
+from dora_jax.data.source_lib import (
+    MissingFieldError,
+    RowSource,
+    file_list,
+    memory_rows,
+    open_files,
+)
 from dora_jax.data.template_lib import ChatTemplate, FormatTemplate, PromptTemplate, make_template
 from dora_jax.data.tokenizer_lib import Tokenizer, char_tokenizer, load_tokenizer
 
@@ -19,6 +25,7 @@ __all__ = [
     "ChatTemplate",
     "FormatTemplate",
     "LongTailTask",
+    "MissingFieldError",
     "NoUsableRowsError",
     "PromptIterator",
     "PromptTemplate",

@@ -69,13 +69,32 @@ class _JsonlReader:
         return os.pread(self._fd, end - start, start).rstrip(b"\r\n")
 
 
+class MissingFieldError(ValueError):
+    """A data file where no row has a field the run reads: the field's name is wrong, not the
+    rows (bad rows are the pipeline's, skipped or not by `on_bad_row`). `field` is the name."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+# The rows of a JSON file looked at for the fields the run reads: enough that a few bad rows at
+# its top do not refuse a file, few enough to cost nothing.
+_ROWS_CHECKED = 16
+
+
 class _ParquetReader:
-    """The needed columns as Python lists; a missing column or a null leaves the field absent."""
+    """The needed columns as Python lists; a null leaves the field absent."""
 
     def __init__(self, path: str, fields: Sequence[str]):
-        present = [f for f in fields if f in pq.read_schema(path).names]
-        table = pq.read_table(path, columns=present)
-        self._columns = {f: table.column(f).to_pylist() for f in present}
+        names = pq.read_schema(path).names
+        for field in fields:
+            if field not in names:
+                raise MissingFieldError(
+                    f"data file {path} has no column {field!r} (its columns: {names})", field
+                )
+        table = pq.read_table(path, columns=list(fields))
+        self._columns = {f: table.column(f).to_pylist() for f in fields}
         self._len = table.num_rows
 
     def __len__(self) -> int:
@@ -146,8 +165,33 @@ def open_files(paths: Sequence[str | Path], fields: Sequence[str]) -> RowSource:
                 f"data file {path}: unknown format {suffix!r} "
                 "(expected .jsonl, .parquet or .array_record)"
             )
+        if suffix != ".parquet":
+            _check_fields(path, reader, fields)
         files.append((path, reader))
     return RowSource(files)
+
+
+def _check_fields(path: str, reader: Sequence[Any], fields: Sequence[str]) -> None:
+    """Refuses a file whose first rows that are JSON objects all lack one of `fields`: a
+    misspelled `data.prompt_field` made every row a bad row, skipped one warning at a time
+    through a whole pass before the run stopped."""
+    objects = []
+    for i in range(min(len(reader), _ROWS_CHECKED)):
+        row = reader[i]
+        try:
+            row = json.loads(row) if isinstance(row, bytes | str) else row
+        except ValueError:  # a bad row: the pipeline's to judge
+            continue
+        if isinstance(row, dict):
+            objects.append(row)
+    for field in fields:
+        if objects and not any(field in row for row in objects):
+            present = sorted({key for row in objects for key in row})
+            raise MissingFieldError(
+                f"data file {path}: none of its first {len(objects)} rows has a field "
+                f"{field!r} (they have {present})",
+                field,
+            )
 
 
 def _is_json_array(path: str) -> bool:

@@ -44,16 +44,9 @@ from dora_jax.rewards.registry_lib import RewardFn
 _log = logging.getLogger(__name__)
 
 ISOLATIONS = ("process", "thread")
-# A worker process imports the reward's module (math-verify and sympy for `math`) and makes a
-# warm-up call before its first sample; that start-up is not the sample's, so it has a budget of
-# its own.
+# A worker process imports the reward's module (math-verify and sympy for `math`) before its
+# first call; that start-up is not the call's, so it has a budget of its own.
 _START_TIMEOUT_S = 300.0
-# What a fresh worker scores, unrecorded, before any sample: a reward's first call often pays
-# for lazy set-up (math-verify builds its parsers on it, 5x a later call), which must not count
-# against a sample's timeout. Otherwise a busy machine times out the first samples of every
-# fresh worker (a timed-out worker's replacement included), and a resumed run, whose workers
-# start cold on training samples, scores differently from the same run uninterrupted.
-_WARM_UP = ("\\boxed{1}", "1")
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -72,16 +65,21 @@ class _Outcome:
     raised: bool
     reward: float  # NaN unless the call returned a finite number
     shown: str  # the exception or the returned value, for the log
+    # How long the call ran, timed where it ran: a result read back after the runner's wait
+    # overran (a busy host) is still judged by its own duration, not by when it was read.
+    seconds: float = 0.0
 
 
 def _call(fn: RewardFn, completion: str, answer: str) -> _Outcome:
+    start = time.monotonic()
     try:
         value = fn(completion, answer)
     # Any failure of user code scores 0 and never stops the run; `sys.exit` in it too, which
     # would otherwise end a thread worker silently, to be counted as a timeout.
     except (Exception, SystemExit) as e:
-        return _Outcome(True, math.nan, _shown(e))
-    return _Outcome(False, _as_reward(value), _shown(value))
+        return _Outcome(True, math.nan, _shown(e), time.monotonic() - start)
+    seconds = time.monotonic() - start
+    return _Outcome(False, _as_reward(value), _shown(value), seconds)
 
 
 def _shown(value: object) -> str:
@@ -229,6 +227,8 @@ class RewardRunner:
         self, sample_id: Hashable, outcome: _Outcome | None, counters: RewardCounters
     ) -> float:
         counters.calls += 1
+        if outcome is not None and outcome.seconds > self._timeout_s:
+            outcome = None  # it ran past the timeout; only the runner's wait was late to see it
         if outcome is None:
             counters.timeouts += 1
             _log.warning("reward for sample %s timed out after %.3gs", sample_id, self._timeout_s)
@@ -373,7 +373,6 @@ def serve_worker(fd: int, runner_pid: int) -> None:
     except Exception as e:  # e.g. the module defining it does not import here
         connection.send(f"loading the reward failed: {e!r}")
         return
-    _call(fn, *_WARM_UP)
     connection.send("ready")
     while True:
         try:

@@ -191,6 +191,24 @@ def test_missing_input_files_are_named_by_field_and_spaces_in_lists_are_dropped(
         settings_lib.check_inputs(config)
 
 
+def test_a_field_name_no_row_has_is_refused_naming_the_config_field(tmp_path, monkeypatch):
+    """A misspelled `data.prompt_field` made every row a bad row: one warning per row through a
+    whole pass, then a stop that blamed the data, after the workdir was made."""
+    (tmp_path / "a.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    monkeypatch.setattr(task_lib, "load_tokenizer", lambda path: None)  # no tokenizer.json here
+    config = default.get_config()
+    config.data.update(source="files", train_files=str(tmp_path / "a.jsonl"))
+    config.model.checkpoint = str(tmp_path / "model")
+    with pytest.raises(ConfigError, match=r"^data\.prompt_field='prompt': data file .*a\.jsonl: "
+                       r"none of its first 1 rows has a field 'prompt' \(they have \['answer', "
+                       r"'question'\]\)$"):  # fmt: skip
+        task_lib.load_task(config)
+    config.data.prompt_field = "question"
+    assert len(task_lib.load_task(config).train_rows) == 1
+
+
 def test_lora_targets_are_the_same_run_in_any_order_and_spacing(tmp_path):
     config = default.get_config()
     config.model.lora_targets = "q_proj, v_proj"

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from configs import default
 from dora_jax import settings_lib, task_lib
 from dora_jax.rewards import RewardRunner, get_reward
+from dora_jax.rewards.shaping_lib import OverlongPenalty
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -77,3 +78,32 @@ def test_held_out_is_scored_at_the_first_barrier_at_or_after_each_multiple(every
     got = {v for v in barriers if task_lib.held_out_due(v, every, barrier)}
     assert got == expected - {None}
     assert not any(task_lib.held_out_due(v, 0, barrier) for v in barriers)
+
+
+def _always_raises(completion: str, answer: str) -> float:
+    raise KeyError("answer")  # a reward written for another dataset's fields
+
+
+def test_a_run_whose_every_reward_call_fails_says_so_once(caplog):
+    """Each failing call is one warning among many and scores 0: a run whose reward never
+    works learned nothing and ended as if fine. Past `ALL_FAILED_AFTER` calls it says so."""
+    n = task_lib.ALL_FAILED_AFTER
+    tokenizer = types.SimpleNamespace(decode=lambda ids: "x")
+    for fn, says in ((_always_raises, True), (get_reward("exact_match"), False)):
+        prompts = task_lib.PromptStream(
+            iter([{"prompt_tokens": [1], "answer": "x"}] * n), group_size=n, max_new_tokens=4
+        )
+        prompts(0)
+        runner = RewardRunner(fn, timeout_s=5.0, isolation="thread")
+        reward = task_lib.RewardAdapter(runner, tokenizer, prompts, OverlongPenalty(8))
+        caplog.clear()
+        reward([(0, np.asarray([1], np.int32))] * (n - 1))
+        assert not any("every one of" in m for m in caplog.messages)
+        reward([(0, np.asarray([1], np.int32))])
+        reward.prompts = task_lib.PromptStream(
+            iter([{"prompt_tokens": [1], "answer": "x"}]), group_size=1, max_new_tokens=4
+        )
+        reward.prompts(0)
+        reward([(0, np.asarray([1], np.int32))])  # once only
+        warned = [m for m in caplog.messages if "every one of the run's" in m]
+        assert len(warned) == (1 if says else 0)

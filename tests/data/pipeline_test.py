@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from dora_jax.data import (
     BadRowError,
     FormatTemplate,
+    MissingFieldError,
     char_tokenizer,
     memory_rows,
     open_files,
@@ -164,9 +165,9 @@ def test_bad_rows_are_skipped_counted_and_logged_with_their_row(tmp_path, caplog
 
 @pytest.mark.parametrize("raw,reason,field", BAD)
 def test_error_mode_stops_naming_file_row_and_field(tmp_path, raw, reason, field):
-    path = write_jsonl(tmp_path / "d.jsonl", [raw])
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps(ROWS[0]).encode(), raw])
     ds = dataset(open_files([path], ["prompt", "answer"]), max_prompt_len=40, on_bad_row="error")
-    with pytest.raises(BadRowError, match=f"{path} line 1 field {field}"):
+    with pytest.raises(BadRowError, match=f"{path} line 2 field {field}"):
         list(ds)
 
 
@@ -177,9 +178,12 @@ def test_parquet_nulls_missing_columns_and_binary_text(tmp_path):
     binary = tmp_path / "c.parquet"
     pq.write_table(pa.table({"prompt": pa.array([b"ok", b"\xff"], pa.binary()),
                              "answer": ["1", "2"]}), binary)  # fmt: skip
-    it = iter(dataset(open_files([nulls, no_answer, binary], ["prompt", "answer"])))
-    assert sorted(r["row"] for r in it) == [0, 3]
-    assert it.skipped == {"missing_field": 2, "undecodable": 1}
+    it = iter(dataset(open_files([nulls, binary], ["prompt", "answer"])))
+    assert sorted(r["row"] for r in it) == [0, 2]
+    assert it.skipped == {"missing_field": 1, "undecodable": 1}
+    # A column no row can have: the field's name is wrong, refused when the file is opened.
+    with pytest.raises(MissingFieldError, match=r"b\.parquet has no column 'answer' \(its col"):
+        open_files([nulls, no_answer], ["prompt", "answer"])
     # A table's rows are named from 0, as pandas' iloc counts them.
     ds = dataset(open_files([nulls], ["prompt", "answer"]), num_epochs=1, on_bad_row="error")
     with pytest.raises(BadRowError, match=rf"{nulls} row 1 \(from 0\) field 'prompt'"):
@@ -191,9 +195,24 @@ def test_custom_field_names_and_numeric_answers(tmp_path):
     ds = dataset(open_files([path], ["question", "solution"]), prompt_field="question",
                  answer_field="solution")  # fmt: skip
     assert [r["answer"] for r in ds] == ["42"]
-    ds = dataset(open_files([path], ["prompt", "answer"]), on_bad_row="error")
-    with pytest.raises(BadRowError, match="field 'prompt' is missing"):
-        list(ds)
+    # The default names, on a file whose rows have others: refused when it is opened, not row
+    # by row through a whole pass.
+    with pytest.raises(MissingFieldError) as refused:
+        open_files([path], ["prompt", "answer"])
+    assert refused.value.field == "prompt"
+    assert str(refused.value) == (
+        f"data file {path}: none of its first 1 rows has a field 'prompt' "
+        "(they have ['question', 'solution'])"
+    )
+
+
+def test_a_few_bad_rows_at_the_top_of_a_file_do_not_refuse_it(tmp_path):
+    """Only a field that no row of a file's top has is a wrong name: bad rows there, missing
+    the field or not JSON, are left to `on_bad_row`."""
+    path = write_jsonl(tmp_path / "d.jsonl", [b"not json", b'{"answer": "1"}',
+                                              *(json.dumps(r).encode() for r in ROWS)])  # fmt: skip
+    it = iter(dataset(open_files([path], ["prompt", "answer"])))
+    assert len(list(it)) == len(ROWS) and it.skipped == {"invalid_json": 1, "missing_field": 1}
 
 
 def test_configuration_errors_name_the_field(tmp_path):

@@ -89,13 +89,15 @@ def test_data_without_a_usable_row_stops_after_one_pass(tmp_path, read_budget, n
 
 def test_the_error_counts_every_reason_and_names_every_file(tmp_path, read_budget):
     a = write_jsonl(tmp_path / "a.jsonl", [b"{not json", TOO_LONG])
-    b = write_jsonl(tmp_path / "b.jsonl", [b"{not json", {"answer": "1"}])
+    b = write_jsonl(
+        tmp_path / "b.jsonl", [b"{not json", {"answer": "1"}, {"prompt": 5, "answer": "1"}]
+    )
     it = iter(dataset(open_files([a, b], ["prompt", "answer"])))
     with pytest.raises(NoUsableRowsError) as error:
         next(it)
     message = str(error.value)
     assert f"['{a}', '{b}']" in message
-    assert "invalid_json=2, missing_field=1, prompt_too_long=1" in message
+    assert "invalid_json=2, missing_field=1, prompt_too_long=1, wrong_type=1" in message
 
 
 def test_one_usable_row_among_many_bad_ones_keeps_flowing_every_epoch():

@@ -3,7 +3,6 @@
 import os
 import re
 import sys
-import time
 
 
 def length_reward(completion: str, answer: str, scale: float = 1.0) -> float:
@@ -53,14 +52,3 @@ def unprintable(completion: str, answer: str) -> object:
     if completion == "odd":
         return Unshowable()
     return 1.0
-
-
-_CALLS_HERE: list[int] = []
-
-
-def slow_first_call(completion: str, answer: str) -> float:
-    """Lazy set-up on a process's first call (as math-verify builds its parsers), then fast."""
-    if not _CALLS_HERE:
-        time.sleep(3.0)
-    _CALLS_HERE.append(1)
-    return float(completion == answer)
