@@ -69,7 +69,7 @@ def _open_field(config: ml_collections.ConfigDict, field: str) -> Any:
     try:
         return open_files(file_list(config.data[field]), tuple(names.values()))
     except MissingFieldError as e:
-        (name,) = [n for n, value in names.items() if value == e.field][:1]
+        name = next(n for n, value in names.items() if value == e.field)
         raise ConfigError(f"data.{name}={e.field!r}: {e}") from e
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.{field}: {e}") from e
