@@ -407,14 +407,14 @@ def test_a_stop_by_the_data_policy_is_one_line_like_a_refusal(error):
         raise error("d.jsonl line 3 field 'prompt': prompt is empty")
 
     with pytest.raises(SystemExit) as stopped:
-        cli._without_traceback(command)([])
+        cli._without_traceback("train", command)(["dora-jax"])
     assert stopped.value.code == "dora-jax: d.jsonl line 3 field 'prompt': prompt is empty"
 
     def buggy(argv):
         raise ValueError("a bug")
 
     with pytest.raises(ValueError, match="a bug"):  # anything else keeps its traceback
-        cli._without_traceback(buggy)([])
+        cli._without_traceback("train", buggy)(["dora-jax"])
 
 
 def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
