@@ -289,9 +289,9 @@ class Rollout:
                     failed.append(x)
 
         dispatch([x for x in self.healthy() if x.active() and not x.expecting])
-        settle_us = self.trace.now_us()
+        waiting_us = self.trace.now_us()
         self._settle()
-        settle_us = self.trace.now_us() - settle_us
+        settle_us = self.trace.now_us() - waiting_us
         received = self._receive_all()
         received_us = self.trace.now_us()  # their turn on the timeline starts after the load
         dispatch([x for x in received if x.active()])
