@@ -541,9 +541,11 @@ def _checkpoint_params(
     newest), restored onto the training mesh, and nothing else of the train state; (None, None)
     when there is no checkpoint. A checkpoint of another model is refused, naming the fields
     that differ; other settings (the trainer's among them) may differ freely."""
-    checkpointer = _checkpointer(config, workdir)
+    # Orbax's manager creates its directory, and reading a workdir must not change it.
+    exists = os.path.isdir(os.path.join(workdir, "checkpoints"))
+    checkpointer = _checkpointer(config, workdir) if exists else None
     try:
-        steps = checkpointer.all_steps()
+        steps = checkpointer.all_steps() if checkpointer else []
         if step is not None and step not in steps:
             raise ConfigError(f"{workdir} has no checkpoint of version {step}; it has {steps}")
         step = step if step is not None else (steps[-1] if steps else None)
@@ -560,7 +562,8 @@ def _checkpoint_params(
         )
         return step, checkpointer.restore_params(step, like)
     finally:
-        checkpointer.close()
+        if checkpointer:
+            checkpointer.close()
 
 
 # The reference only with a KL penalty, the TIS history only with `train.tis_cap`.

@@ -94,6 +94,14 @@ def test_eval_refuses_a_workdir_that_does_not_exist(tmp_path):
     assert not (tmp_path / "no_such_run").exists()
 
 
+@pytest.mark.parametrize("version, says", [(None, "holds no checkpoint"), (3, r"it has \[\]")])
+def test_reading_a_workdir_without_checkpoints_leaves_it_as_it_was(tmp_path, version, says):
+    """Orbax's manager creates the directory it is given; `export` and `eval` only read."""
+    with pytest.raises(ConfigError, match=says):
+        app_lib.export_checkpoint(default.get_config(), str(tmp_path), version)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "override, says",
     [
