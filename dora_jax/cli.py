@@ -66,6 +66,8 @@ def _config(command: str):
 
 
 def _train(argv: list[str]) -> None:
+    """Trains the config's policy with RL (after its SFT warm-up, if any) in --workdir, resuming
+    from the newest checkpoint there; writes the ledger, trace, metrics and final policy."""
     del argv
     # What `timeout`, Slurm, Kubernetes and docker send to stop a job: stopping as on Ctrl-C
     # writes the ledger's end event and lets a checkpoint being saved finish.
@@ -85,6 +87,8 @@ def _train(argv: list[str]) -> None:
 
 
 def _eval(argv: list[str]) -> None:
+    """Scores the newest checkpoint in --workdir on the held-out prompts (pass@1, pass@k), or
+    the starting policy when there is none."""
     del argv
     config = _config("eval")
     from dora_jax import app_lib
@@ -99,6 +103,8 @@ _EXPORT_FLAGS = ("version", "out")
 
 
 def _export(argv: list[str]) -> None:
+    """Writes checkpoint --version's policy in --workdir (default the newest) as a Hugging Face
+    model directory at --out; prints its path."""
     del argv
     config = _config("export")
     from dora_jax import app_lib
@@ -107,6 +113,8 @@ def _export(argv: list[str]) -> None:
 
 
 def _audit(argv: list[str]) -> None:
+    """Re-checks C1-C3 and length bias from WORKDIR/ledger.jsonl alone (`dora-jax audit
+    WORKDIR`; default runs/default); exits non-zero if a rule fails."""
     from dora_jax.rollout import audit_lib
 
     workdir = argv[1] if len(argv) > 1 else _workdir()
@@ -121,6 +129,8 @@ def _audit(argv: list[str]) -> None:
 
 
 def _bench(argv: list[str]) -> None:
+    """Runs the config's rollout modes on the same seeded workload and compares them; writes
+    bench.json and each mode's ledger and trace under --workdir (default runs/bench)."""
     del argv
     config = _config("bench")
     from dora_jax.rollout import bench_lib
@@ -141,6 +151,8 @@ _CONFIG_FIELDS = ("num_cpu_devices", "compilation_cache_dir")
 
 
 def _host(argv: list[str]) -> None:
+    """Serves as a generation or training host for a controller elsewhere (which names it in
+    runtime.generation_hosts / training_hosts and sends it everything it needs)."""
     del argv
     cpu_flags_lib.use_cpu_devices(_CPU_DEVICES.value)
     compile_cache_lib.use_compilation_cache(_CACHE_DIR.value)
@@ -222,12 +234,36 @@ COMMANDS = {
 }
 
 
+# Each command's own flags, for its `--help`.
+_FLAGS_OF = {
+    "train": ("config", "workdir"),
+    "eval": ("config", "workdir"),
+    "export": ("config", "workdir", *_EXPORT_FLAGS),
+    "audit": (),
+    "bench": ("config", "workdir"),
+    "host": _HOST_FLAGS,
+}
+
+
+def _help(command: str | None) -> str:
+    """The whole tool's usage, or one command's: what it does and the flags it takes. absl's
+    own help lists the flags of `__main__`, the console script, which has none."""
+    if command is None:
+        return f"{__doc__}\n{flags.FLAGS.module_help(sys.modules[__name__])}"
+    lines = [f"dora-jax {command}: {' '.join(COMMANDS[command].__doc__.split())}"]
+    for name in _FLAGS_OF[command]:
+        flag = flags.FLAGS[name]
+        default = "" if flag.default is None else f" (default: {flag.default!r})"
+        lines.append(f"  --{name}: {flag.help}{default}")
+    if "config" in _FLAGS_OF[command]:
+        lines.append("  --config.FIELD=VALUE: overrides a field of the config file")
+    return "\n".join(lines)
+
+
 def run() -> None:
     """Console-script entry point: the first argument names the command."""
     if any(a in ("-h", "--help", "--helpshort") for a in sys.argv[1:]):
-        # absl's own help lists the flags of `__main__`, the console script, which has none.
-        print(__doc__)
-        print(flags.FLAGS.module_help(sys.modules[__name__]))
+        print(_help(sys.argv[1] if sys.argv[1] in COMMANDS else None))
         sys.exit(0)
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
         sys.exit(f"usage: dora-jax {{{'|'.join(COMMANDS)}}} [--config=configs/default.py] ...")

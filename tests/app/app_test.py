@@ -150,10 +150,20 @@ def test_cli_help_lists_its_flags_and_host_flags_are_refused_elsewhere():
     """`--help` listed nothing (absl shows the flags of `__main__`, the console script), and
     `train --num_cpu_devices=2` ran on the config's 8 devices without a word."""
     command = [sys.executable, "-m", "dora_jax.cli"]
+
+    def shown(*asked: str) -> str:
+        result = subprocess.run(command + list(asked), cwd=ROOT, capture_output=True, text=True,
+                                timeout=120)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
     for asked in (["train", "--help"], ["--help"]):
-        shown = subprocess.run(command + asked, cwd=ROOT, capture_output=True, text=True,
-                               timeout=120)  # fmt: skip
-        assert shown.returncode == 0 and "--workdir" in shown.stdout and "--config" in shown.stdout
+        assert "--workdir" in shown(*asked) and "--config" in shown(*asked)
+    # Each command's help is its own: what it does and only the flags it takes.
+    assert "--version" not in shown("train", "--help")
+    assert "--version" in shown("export", "--help")
+    assert "--address" in shown("host", "--help") and "--config" not in shown("host", "--help")
+    assert "ledger.jsonl" in shown("audit", "-h") and "--" not in shown("audit", "-h")
     refused = subprocess.run(
         command + ["eval", "--config=configs/default.py", "--num_cpu_devices=2"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -164,9 +174,7 @@ def test_cli_help_lists_its_flags_and_host_flags_are_refused_elsewhere():
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert refused.returncode != 0 and "`dora-jax export`'s flag" in refused.stderr
-    shown = subprocess.run(command + ["--help"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)  # fmt: skip
-    assert "--version" in shown.stdout and "export" in shown.stdout
+    assert "--version" in shown("--help") and "export" in shown("--help")
 
 
 # `dora-jax train`, stopped by SIGTERM (a preemption, `timeout`, Slurm, Kubernetes) while its
