@@ -73,6 +73,8 @@ def _text(value: Any, field: str) -> str:
 
 def _fields(payload: Any, prompt_field: str, answer_field: str) -> tuple[str, str]:
     if isinstance(payload, bytes):
+        if not payload.strip():
+            raise _Bad("invalid_json", "<row>", "row is a blank line")
         try:
             payload = json.loads(payload.decode("utf-8"))
         except UnicodeDecodeError as e:
@@ -85,6 +87,10 @@ def _fields(payload: Any, prompt_field: str, answer_field: str) -> tuple[str, st
         if field not in payload or payload[field] is None:
             raise _Bad("missing_field", field, f"field {field!r} is missing")
     answer = payload[answer_field]
+    if isinstance(answer, float) and answer.is_integer():
+        # A column of integers with one gap is float to pandas and Parquet: its 4 must read
+        # "4", as the model writes it, not "4.0".
+        answer = int(answer)
     if isinstance(answer, int | float) and not isinstance(answer, bool):
         answer = str(answer)
     return _text(payload[prompt_field], prompt_field), _text(answer, answer_field)

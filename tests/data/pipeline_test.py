@@ -161,6 +161,7 @@ def test_bad_rows_are_skipped_counted_and_logged_with_their_row(tmp_path, caplog
     for row, (_, _, field) in enumerate(BAD, start=3):
         position = f"line {row + 1}" if suffix == "jsonl" else f"row {row} (from 0)"
         assert any(f"{path} {position} field {field}" in m for m in caplog.messages)
+    assert any("is a blank line" in m for m in caplog.messages)
 
 
 @pytest.mark.parametrize("raw,reason,field", BAD)
@@ -191,17 +192,20 @@ def test_parquet_nulls_missing_columns_and_binary_text(tmp_path):
 
 
 def test_custom_field_names_and_numeric_answers(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "what is 6", "solution": 42}])
+    rows = [{"question": "what is 6", "solution": s} for s in (42, 4.0, 2.5, -0.0, 1e300)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
     ds = dataset(open_files([path], ["question", "solution"]), prompt_field="question",
                  answer_field="solution")  # fmt: skip
-    assert [r["answer"] for r in ds] == ["42"]
+    # A whole number is written as the model writes it, whatever type the file gave it.
+    answers = [answer for _, answer in sorted((r["row"], r["answer"]) for r in ds)]
+    assert answers == ["42", "4", "2.5", "0", str(int(1e300))]
     # The default names, on a file whose rows have others: refused when it is opened, not row
     # by row through a whole pass.
     with pytest.raises(MissingFieldError) as refused:
         open_files([path], ["prompt", "answer"])
     assert refused.value.field == "prompt"
     assert str(refused.value) == (
-        f"data file {path}: none of its first 1 rows has a field 'prompt' "
+        f"data file {path}: none of its first 5 rows has a field 'prompt' "
         "(they have ['question', 'solution'])"
     )
 
