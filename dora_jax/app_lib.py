@@ -135,6 +135,13 @@ def warm_up(
     """Supervised warm-up on demonstrations (skipped when there are none or sft.steps == 0),
     on every process of the training `group` when there is one."""
     steps = config.sft.steps
+    if not data.demonstrations and steps:
+        logging.warning(
+            "sft.steps=%d: no warm-up, as data.source=%s has no demonstrations; RL starts from "
+            "the model as it is (set sft.steps=0 to say so)",
+            steps,
+            config.data.source,
+        )
     if not data.demonstrations or steps == 0:
         return model
     if config.sft.batch_size > len(data.demonstrations):

@@ -7,6 +7,7 @@ tokenizer, a user reward that sometimes raises), its engines in generation hosts
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -433,7 +434,7 @@ def test_a_stop_by_the_data_policy_is_one_line_like_a_refusal(error):
         cli._without_traceback("train", buggy)(["dora-jax"])
 
 
-def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
+def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch, caplog):
     task = LongTailTask()
     checkpoint = tmp_path / "policy"
     tokenizer = task.tokenizer()
@@ -478,8 +479,11 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch):
 
     monkeypatch.setattr(hosts_lib, "start_local_hosts", start_hosts)
     workdir = tmp_path / "run"
-    summary = app_lib.train_and_evaluate(config, str(workdir), progress=False)
+    with caplog.at_level(logging.WARNING):
+        summary = app_lib.train_and_evaluate(config, str(workdir), progress=False)
     assert started == [(config.runtime.num_instances, 600.0)]
+    # The default's warm-up has no demonstrations to train on here: said, not silently skipped.
+    assert any(m.startswith("sft.steps=500: no warm-up") for m in caplog.messages)
 
     assert summary["iterations"] == 4
     skipped = summary["skipped_rows"]  # each bad row counted every epoch the run reaches it
