@@ -112,7 +112,7 @@ def main() -> None:
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "mode": "dora"})
     train = config.train.to_dict()
     train.update(kl_coef=0.01, tis_cap=2.0, max_staleness=2)
-    train = train_config(rollout, train)
+    train = train_config(rollout, train, config.engine.temperature)
     mesh = sharding_lib.make_mesh(jax.devices()[:1], 1, 1)
     heads = max(args.hidden // 64, 1)
     model_config = models.ModelConfig(

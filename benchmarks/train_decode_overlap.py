@@ -53,7 +53,7 @@ def main() -> None:
     rollout_config = RolloutConfig.from_dict({**config.rollout.to_dict(), "mode": "dora"})
     trainer = Trainer(
         models.create(model_config, seed=0),
-        train_config(rollout_config, config.train),
+        train_config(rollout_config, config.train, config.engine.temperature),
         plan.train_mesh,
     )
     w = config.workload

@@ -58,7 +58,11 @@ def main() -> None:
         train = config.train.to_dict()
         train.update(micro_batch_size=None, micro_batch_tokens=None)
         train[field] = value
-        trainer = Trainer(models.create(model_config, seed=0), train_config(rollout, train), mesh)
+        trainer = Trainer(
+            models.create(model_config, seed=0),
+            train_config(rollout, train, config.engine.temperature),
+            mesh,
+        )
         for lengths in batches:  # compiles every shape this setting meets
             trainer.step(bench_lib.training_batch(config, lengths, trainer.version))
         trainers[(field, value)] = trainer

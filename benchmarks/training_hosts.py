@@ -38,7 +38,11 @@ def make_trainer(graphdef, state, tp: int, micro_batch: int):
     config.train.micro_batch_size = micro_batch
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "mode": "dora"})
     mesh = sharding_lib.make_mesh(jax.devices(), len(jax.devices()) // tp, tp)
-    return Trainer(nnx.merge(graphdef, state), train_config(rollout, config.train), mesh)
+    return Trainer(
+        nnx.merge(graphdef, state),
+        train_config(rollout, config.train, config.engine.temperature),
+        mesh,
+    )
 
 
 def measure(group_size: int, steps: int, micro_batch: int) -> dict[str, float]:

@@ -76,6 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.engine = ml_collections.ConfigDict()
     c.engine.slots = 16
+    c.engine.temperature = 1.0  # the engines sample at it, and the trainer trains that policy
 
     # RBS applies to dora and partial only; sync and one_step_off generate exactly their batch.
     # K bounds how far a version's long tail may lag (dora and partial): a group is due K

@@ -203,7 +203,7 @@ def _validate(config: ml_collections.ConfigDict) -> Settings:
         if config.data.template != "chat":
             _check_builtin_prompt_length(config, task)
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "seed": config.seed})
-    train = train_config(rollout, config.train)
+    train = train_config(rollout, config.train, config.engine.temperature)
     reward_runner(config)  # a bad reward fails here, not mid-run (its workers start later)
     overlong = OverlongPenalty(
         int(config.engine.max_decode_length),

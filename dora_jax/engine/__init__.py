@@ -35,10 +35,11 @@ Semantics:
 - The first token comes from `prefill` (its `ResultTokens`, row i for request i), so a request
   of max_new_tokens=1, or whose first token is EOS, is finished at prefill and its prefix is
   inserted as an idle slot.
-- Every token's log-prob is log-softmax of the distribution it was sampled from (temperature,
-  top-k, top-p applied; greedy rows report the unscaled log-softmax). Token i of a request uses
-  PRNG key fold_in(key(seed), i): the same tokens in any slot, batch, engine or after a
-  migration.
+- Every token's log-prob is the policy's, log-softmax of the logits over the temperature
+  (before top-k and top-p, which only choose what is drawn; greedy rows report the unscaled
+  log-softmax): what the trainer computes at the same params (`sampling_lib`). Token i of a
+  request uses PRNG key fold_in(key(seed), i): the same tokens in any slot, batch, engine or
+  after a migration.
 - Each slot carries the `version` of the params that prefilled it (`SlotData.version`); every
   `ResultTokens` carries the version of the params that produced it (`.version`). Keeping them
   equal is the caller's job (C1); the engine never swaps params by itself.

@@ -2,8 +2,12 @@
 
 Everything here is per row, so one jitted call serves slots that each carry their own settings.
 The sampling distribution of a row is built in the usual order (temperature, then top-k, then
-top-p over what top-k kept) and the returned log-prob is log-softmax of exactly that
-distribution at the sampled token: the behaviour log-prob the trainer's importance ratio needs.
+top-p over what top-k kept). The returned log-prob is the policy's, `log_softmax(logits / T)` at
+the sampled token, not the truncated distribution's: the trainer computes exactly that
+(`loss_lib.token_logprobs`), so a sample's importance ratio is 1 until the params move. Top-k
+and top-p only choose which tokens are drawn, as in verl, OpenRLHF and TRL, whose trainers
+recompute log-probs at the temperature alone; with truncation the samples are not quite the
+policy's, a bias those frameworks accept, and the reason the configs leave it off in RL.
 
 The PRNG key of a token is a pure function of (request seed, token index), so a request yields
 the same tokens whichever slot, batch or engine it runs in, including after a migration.
@@ -27,7 +31,8 @@ class SamplingParams:
     """How one request turns logits into tokens.
 
     temperature: 0 means greedy (argmax); its log-prob is then taken under the unscaled logits,
-      because the point mass greedy decoding samples from would make every log-prob 0.
+      because the point mass greedy decoding samples from would make every log-prob 0 (the
+      trainer scales by 1 as well, `policy_logits`).
     top_k: keep the k most likely tokens; 0 turns it off.
     top_p: keep the smallest most-likely set whose probability reaches p (nucleus); 1 turns it
       off.
@@ -60,17 +65,17 @@ def token_keys(seeds: jax.Array, indices: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, indices)
 
 
-def filter_logits(
-    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
-) -> jax.Array:
-    """The logits of each row's sampling distribution: scaled, and -inf outside what it keeps.
+def policy_logits(logits: jax.Array, temperature: jax.Array | float) -> jax.Array:
+    """The logits of the policy that samples at `temperature`: `logits / temperature`, and the
+    logits themselves at temperature 0 (greedy). The engine and the trainer both use it, so the
+    behaviour log-prob and the trainer's agree at the same params."""
+    return logits / jnp.where(jnp.asarray(temperature) > 0, temperature, 1.0)
 
-    logits [B, V] float32; temperature, top_p [B] float32; top_k [B] int32. A row with
-    temperature 0 is scaled by 1 (greedy rows use the argmax, see `sample`). Tokens tied at a
-    cut are kept or dropped together.
-    """
-    scale = jnp.where(temperature > 0, temperature, 1.0)
-    scaled = logits / scale[:, None]
+
+def truncate_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`scaled` [B, V] (`policy_logits`) with -inf outside each row's top-k, then outside the
+    top-p of what top-k kept; top_p [B] float32, top_k [B] int32 (0 = off). Tokens tied at a
+    cut are kept or dropped together."""
     vocab = scaled.shape[-1]
 
     def truncate(scaled: jax.Array) -> jax.Array:
@@ -80,7 +85,9 @@ def filter_logits(
         in_top_k = keys >= top_k_floor[:, None]
         probs = jax.nn.softmax(jnp.where(in_top_k, scaled, -jnp.inf), axis=-1)
         mass = lambda t: jnp.sum(jnp.where(keys >= t, probs, 0.0), axis=-1)
-        top_p_floor = _largest_threshold(keys, lambda t: mass(t) >= top_p)
+        # The kept set's mass can round just below a top_p just below 1: no threshold then
+        # holds, and the 0 found must not undo top-k's cut.
+        top_p_floor = jnp.maximum(_largest_threshold(keys, lambda t: mass(t) >= top_p), top_k_floor)
         # top_p == 1 keeps everything top-k kept (the sum can round below 1.0 before the tail,
         # which must not cut the tail off).
         floor = jnp.where(top_p >= 1.0, top_k_floor, top_p_floor)
@@ -121,18 +128,14 @@ def sample(
     top_p: jax.Array,
     keys: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """Samples one token per row; returns (tokens int32 [B], behaviour log-probs float32 [B])."""
-    logits = logits.astype(jnp.float32)
-    filtered = filter_logits(logits, temperature, top_k, top_p)
+    """Samples one token per row; returns (tokens int32 [B], behaviour log-probs float32 [B]):
+    each token's log-prob under the policy, `policy_logits`, before top-k / top-p."""
+    scaled = policy_logits(logits.astype(jnp.float32), temperature[:, None])
+    filtered = truncate_logits(scaled, top_k, top_p)
     sampled = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-    sampled_logprob = _take(jax.nn.log_softmax(filtered, axis=-1), sampled)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    greedy_logprob = _take(jax.nn.log_softmax(logits, axis=-1), greedy)
-    is_greedy = temperature <= 0
-    return (
-        jnp.where(is_greedy, greedy, sampled),
-        jnp.where(is_greedy, greedy_logprob, sampled_logprob),
-    )
+    greedy = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
+    tokens = jnp.where(temperature <= 0, greedy, sampled)
+    return tokens, _take(jax.nn.log_softmax(scaled, axis=-1), tokens)
 
 
 def _take(values: jax.Array, index: jax.Array) -> jax.Array:

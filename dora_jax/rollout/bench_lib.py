@@ -25,7 +25,7 @@ import numpy as np
 
 from dora_jax import models
 from dora_jax.config_fields_lib import ConfigError, check_integer_fields
-from dora_jax.engine import Engine
+from dora_jax.engine import Engine, SamplingParams
 from dora_jax.engine.engine_lib import prompt_row_counts
 from dora_jax.engine.request_lib import Request as EngineRequest
 from dora_jax.rollout import audit_lib, ledger_lib, request_lib, telemetry_lib
@@ -210,6 +210,7 @@ def _engines(
         "max_prefill_length": w.prompt_length + w.max_length,
         "max_decode_length": w.max_length,
         "cache_length": w.prompt_length + w.max_length,
+        "sampling": SamplingParams(temperature=config.engine.temperature),
     }
     if config.runtime.generation_hosts == "local":  # each engine in a child process
         r = config.runtime
@@ -338,7 +339,7 @@ def run_bench(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict
         configs = rollout_configs(config)
         check_integer_fields(config, {"repeats": 1, "warmup_iterations": 0, "engine.slots": 1})
         for rollout_config in configs.values():
-            train_config(rollout_config, config.train)
+            train_config(rollout_config, config.train, config.engine.temperature)
         runtime = config.runtime.to_dict()
         if runtime.pop("generation_hosts") not in ("", "local"):
             raise ValueError("runtime.generation_hosts: the bench runs '' or 'local' hosts only")
@@ -371,7 +372,7 @@ def _run_bench(
     setups = {}
     with contextlib.ExitStack() as trainer_processes:
         for mode, rollout_config in configs.items():
-            train = train_config(rollout_config, config.train)
+            train = train_config(rollout_config, config.train, config.engine.temperature)
             if train_cores is None:
                 model = models.create(model_config, seed=config.seed)
                 trainer = Trainer(model, train, plan.train_mesh)

@@ -85,11 +85,12 @@ def config_section(**values: Any) -> ml_collections.ConfigDict:
     return dataclass_section(RolloutConfig, "rollout", values, elsewhere)
 
 
-def train_config(rollout: RolloutConfig, train: Any) -> TrainConfig:
+def train_config(rollout: RolloutConfig, train: Any, temperature: float) -> TrainConfig:
     """The trainer's config: `train` (a dict or ConfigDict) plus what the rollout fixes.
 
     TBS and G are set once, in `rollout`; the trainer's staleness guard is the paradigm's own
-    bound (sync 0, one_step_off 1, otherwise K), a second line of defence for C3.
+    bound (sync 0, one_step_off 1, otherwise K), a second line of defence for C3. The policy
+    trained samples at the engines' `temperature` (`engine.temperature`).
     """
     from dora_jax.rollout import paradigms_lib  # registry; imported late to avoid a cycle
 
@@ -103,5 +104,6 @@ def train_config(rollout: RolloutConfig, train: Any) -> TrainConfig:
             "tbs": rollout.train_batch_size,
             "group_size": rollout.group_size,
             "max_staleness": paradigms_lib.PARADIGMS[rollout.mode]().bounds(rollout)[0],
+            "temperature": temperature,
         }
     )

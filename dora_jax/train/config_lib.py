@@ -76,6 +76,10 @@ class TrainConfig:
     # because the trainer keeps the params of that many past versions to recompute log-probs.
     max_staleness: int | None = None
     kl_coef: float = 0.0  # k3 KL to the reference policy; > 0 needs a reference model
+    # The rollout's sampling temperature (`engine.temperature`): the policy trained, and its
+    # reference and entropy, are softmax(logits / temperature), the distribution the engines
+    # sample from and report behaviour log-probs of (0 = greedy, scaled by 1).
+    temperature: float = 1.0
     # Entropy bonus (verl's entropy_coeff): the loss minus this times each token's entropy,
     # aggregated as the objective is; negative values minimise entropy instead.
     entropy_coef: float = 0.0
@@ -91,7 +95,7 @@ class TrainConfig:
         _counts(self, 1, "tbs", "group_size", "mini_batches", "epochs", "decay_steps")
         _counts(self, 0, "warmup_steps")
         _positive(self, "learning_rate", "adam_eps")
-        _non_negative(self, "weight_decay", "kl_coef", "advantage_eps")
+        _non_negative(self, "weight_decay", "kl_coef", "advantage_eps", "temperature")
         _non_negative(self, "eps_low", "eps_high", "eps_neg_low", "eps_neg_high", "eps_pos_high")
         if self.tbs % self.group_size:
             _fail("tbs", f"{self.tbs} must be a multiple of group_size={self.group_size}")
@@ -169,14 +173,17 @@ class TrainConfig:
         return from_fields(cls, d, "train")
 
 
-# Set from the rollout config (`rollout.config_lib.train_config`), never in `config.train`.
+# Set from the rollout and engine config (`rollout.config_lib.train_config`), never in
+# `config.train`.
 ROLLOUT_FIELDS = ("tbs", "group_size", "max_staleness")
+ENGINE_FIELDS = ("temperature",)
 
 
 def config_section(**values: Any) -> ml_collections.ConfigDict:
     """A config file's `train` section: every field a user may set, at its default unless
     given here (`dataclass_section`)."""
     elsewhere = {f: "is set by the rollout config, not in config.train" for f in ROLLOUT_FIELDS}
+    elsewhere |= {f: f"is engine.{f}, not set in config.train" for f in ENGINE_FIELDS}
     return dataclass_section(TrainConfig, "train", values, elsewhere)
 
 

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dora_jax.engine import sampling_lib
+
 
 class PolicyTerms(NamedTuple):
     objective: jax.Array  # [B, T] per-token objective to maximise (before TIS / KL)
@@ -108,8 +110,13 @@ def k3_kl(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
     return jnp.exp(d) - d - 1.0
 
 
-def token_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(log-prob of each target [B, T], entropy of each position's distribution [B, T])."""
+def token_logprobs(
+    logits: jax.Array, targets: jax.Array, temperature: float
+) -> tuple[jax.Array, jax.Array]:
+    """(log-prob of each target [B, T], entropy of each position's distribution [B, T]) under
+    the policy the rollout samples from at `temperature`: the behaviour log-probs are its own,
+    so a ratio against them is 1 until the params move (`sampling_lib.policy_logits`)."""
+    logits = sampling_lib.policy_logits(logits, temperature)
     logz = jax.nn.logsumexp(logits, axis=-1)
     logp = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - logz
     probs = jax.nn.softmax(logits, axis=-1)

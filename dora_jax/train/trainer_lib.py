@@ -241,7 +241,7 @@ class Trainer:
             trajectories, np.arange(n), self.config.length_buckets, False, size=n
         )
         (placed,) = self._place([mb], [()])
-        logp = np.asarray(_logprobs(self._fn, self.params, *placed[:3]))
+        logp = np.asarray(_logprobs(self._fn, self.config.temperature, self.params, *placed[:3]))
         out = [np.empty(0, np.float32)] * n
         for i, r in enumerate(mb.rows):
             p, t = len(trajectories[r].prompt_tokens), len(trajectories[r].response_tokens)
@@ -495,7 +495,12 @@ class Trainer:
         }
         if self._reference is not None:
             inputs["ref_logp"] = _logprobs(
-                self._reference_fn, self._reference, tokens, positions, targets
+                self._reference_fn,
+                self.config.temperature,
+                self._reference,
+                tokens,
+                positions,
+                targets,
             )
         if self.config.tis_cap is not None:
             versions = np.asarray([samples[r].version for r in mb.samples])
@@ -503,7 +508,14 @@ class Trainer:
             for v in np.unique(versions):
                 if int(v) not in self._history:
                     raise ValueError(f"no params kept for version {v} (TIS keeps max_staleness)")
-                logp_v = _logprobs(self._fn, self._history[int(v)], tokens, positions, targets)
+                logp_v = _logprobs(
+                    self._fn,
+                    self.config.temperature,
+                    self._history[int(v)],
+                    tokens,
+                    positions,
+                    targets,
+                )
                 train_logp = jnp.where(jnp.asarray(versions == v)[:, None], logp_v, train_logp)
             inputs["train_behaviour_logp"] = train_logp
         return inputs
@@ -572,7 +584,7 @@ def _accumulate(
             remat=config.remat,
             load_weights=inputs["mask"] > 0,
         )
-        logp, entropy = loss_lib.token_logprobs(out.logits, inputs["targets"])
+        logp, entropy = loss_lib.token_logprobs(out.logits, inputs["targets"], config.temperature)
         loss, sums = loss_lib.policy_loss(
             logp,
             inputs["behaviour_logp"],
@@ -628,10 +640,12 @@ def _dtype_key(dtype: Any) -> Any:
     return None if dtype is None else np.dtype(dtype)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _logprobs(fn: Functional, params: Any, tokens, positions, targets) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _logprobs(
+    fn: Functional, temperature: float, params: Any, tokens, positions, targets
+) -> jax.Array:
     logits = fn.forward(params, tokens, positions).logits
-    return loss_lib.token_logprobs(logits, targets)[0]
+    return loss_lib.token_logprobs(logits, targets, temperature)[0]
 
 
 class MirroredTrainer:

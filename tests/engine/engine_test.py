@@ -104,21 +104,20 @@ def _log_softmax(x):
 
 
 def _reference_logprobs(logits, sampling: SamplingParams):
-    """float64 numpy: log-probs of the distribution `sampling` draws from (-inf: cut)."""
+    """float64 numpy: (the policy's log-probs at the temperature, which tokens top-k and top-p
+    let `sampling` draw)."""
     z = np.asarray(logits, np.float64) / sampling.temperature
     order = np.argsort(-z, kind="stable")
     k = sampling.top_k or len(z)
     top = order[:k]
     probs = np.exp(_log_softmax(z[top]))
-    kept, mass = [], 0.0
+    kept, mass = np.zeros(len(z), bool), 0.0
     for index, p in zip(top, probs, strict=True):
-        if sampling.top_p < 1 and kept and mass >= sampling.top_p:
+        if sampling.top_p < 1 and kept.any() and mass >= sampling.top_p:
             break
-        kept.append(index)
+        kept[index] = True
         mass += p
-    masked = np.full_like(z, -np.inf)
-    masked[kept] = z[kept]
-    return _log_softmax(masked)
+    return _log_softmax(z), kept
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,10 +194,11 @@ def test_logprobs_equal_teacher_forced_forward(peaked, sampling):
         logits = _full_logits(peaked.fn, peaked.state, prompt + completion.tokens.tolist())
         n = len(prompt)
         for i, token in enumerate(completion.tokens):
-            ref = _reference_logprobs(logits[n - 1 + i], sampling)
-            assert np.isfinite(ref[token]), "sampled a token outside the kept set"
+            ref, kept = _reference_logprobs(logits[n - 1 + i], sampling)
+            assert kept[token], "sampled a token outside the kept set"
+            # The policy's log-prob, not the truncated distribution's: the trainer's.
             assert abs(completion.logprobs[i] - ref[token]) <= 1e-4
-            cut_something |= not np.isfinite(ref).all()
+            cut_something |= not kept.all()
     if sampling.top_k or sampling.top_p < 1:
         assert cut_something, "the test model never truncated anything"
 

@@ -27,12 +27,18 @@ def _reference_keep(z, top_k, top_p):
     return keep
 
 
+def _filter_logits(logits, temperature, top_k, top_p):
+    """The logits of each row's sampling distribution, -inf outside what it keeps."""
+    scaled = sampling_lib.policy_logits(logits, temperature[:, None])
+    return sampling_lib.truncate_logits(scaled, top_k, top_p)
+
+
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (1, 1.0), (5, 1.0), (0, 0.5), (7, 0.9)])
 def test_filter_logits_keeps_the_reference_set(top_k, top_p):
     rng = np.random.RandomState(top_k + int(top_p * 10))
     logits = rng.normal(size=(6, 40)).astype(np.float32) * 3
     temperature = np.asarray([0.5, 1.0, 2.0, 0.0, 1.0, 0.7], np.float32)
-    out = sampling_lib.filter_logits(
+    out = _filter_logits(
         jnp.asarray(logits),
         jnp.asarray(temperature),
         jnp.full(6, top_k, jnp.int32),
@@ -58,7 +64,7 @@ def test_truncation_matches_the_sorted_reference(seed, vocab, top_k, top_p, spre
     """The bisection finds exactly the set a full sort keeps, over random vocabularies,
     logit spreads (near-uniform to near-one-hot) and settings."""
     logits = np.random.RandomState(seed).normal(size=(3, vocab)).astype(np.float32) * spread
-    out = sampling_lib.filter_logits(
+    out = _filter_logits(
         jnp.asarray(logits),
         jnp.ones(3),
         jnp.full(3, top_k, jnp.int32),
@@ -76,9 +82,9 @@ def test_truncation_matches_the_sorted_reference(seed, vocab, top_k, top_p, spre
 
 def test_top_p_one_keeps_a_negligible_tail():
     logits = jnp.asarray([[0.0, -30.0, -60.0, -90.0]])
-    out = sampling_lib.filter_logits(logits, jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1))
+    out = _filter_logits(logits, jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1))
     assert np.isfinite(np.asarray(out)).all()
-    out = sampling_lib.filter_logits(logits, jnp.ones(1), jnp.full(1, 3, jnp.int32), jnp.ones(1))
+    out = _filter_logits(logits, jnp.ones(1), jnp.full(1, 3, jnp.int32), jnp.ones(1))
     assert np.isfinite(np.asarray(out)).tolist() == [[True, True, True, False]]
 
 
@@ -109,10 +115,11 @@ def test_sampling_frequencies_follow_the_filtered_distribution():
         logits, jnp.ones(4000), jnp.zeros(4000, jnp.int32), jnp.full(4000, 0.7), keys
     )
     counts = np.bincount(np.asarray(tokens), minlength=4) / 4000
-    # top_p=0.7 keeps {0.5, 0.3} renormalised to {0.625, 0.375}.
+    # top_p=0.7 keeps {0.5, 0.3} renormalised to {0.625, 0.375}; the log-probs reported are
+    # the policy's, which the trainer computes.
     np.testing.assert_allclose(counts, [0.625, 0.375, 0, 0], atol=0.03)
     np.testing.assert_allclose(
-        np.unique(np.round(np.asarray(logprobs), 5)), np.round(np.log([0.375, 0.625]), 5)
+        np.unique(np.round(np.asarray(logprobs), 5)), np.round(np.log([0.3, 0.5]), 5)
     )
 
 
@@ -120,7 +127,18 @@ def test_sampling_frequencies_follow_the_filtered_distribution():
 def test_signed_zero_ties_are_kept_together(top_k, top_p):
     """-0.0 and +0.0 are equal logits: a cut keeps or drops them together, as any tie."""
     logits = jnp.asarray([[0.0, -0.0, -1.0, -2.0]])
-    out = sampling_lib.filter_logits(
-        logits, jnp.ones(1), jnp.full(1, top_k, jnp.int32), jnp.full(1, top_p)
-    )
+    out = _filter_logits(logits, jnp.ones(1), jnp.full(1, top_k, jnp.int32), jnp.full(1, top_p))
     assert np.isfinite(np.asarray(out[0])).tolist() == [True, True, False, False]
+
+
+def test_top_k_holds_when_top_p_rounds_just_below_one():
+    """The float32 mass of what top-k kept can fall just short of a top_p just below 1: no
+    threshold held then, and the whole vocabulary was kept."""
+    logits = np.random.RandomState(0).normal(size=(512, 64)).astype(np.float32) * 3
+    out = _filter_logits(
+        jnp.asarray(logits),
+        jnp.ones(512),
+        jnp.full(512, 5, jnp.int32),
+        jnp.full(512, np.nextafter(np.float32(1), np.float32(0))),
+    )
+    assert np.isfinite(np.asarray(out)).sum(-1).max() == 5

@@ -217,7 +217,9 @@ def test_precompile_covers_every_micro_batch_shape_of_a_token_budget():
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "mode": "dora"})
     model = models.create(models.ModelConfig(**config.model.to_dict()), seed=0)
     trainer = Trainer(
-        model, train_config(rollout, config.train), sharding_lib.make_mesh(jax.devices()[:1], 1, 1)
+        model,
+        train_config(rollout, config.train, config.engine.temperature),
+        sharding_lib.make_mesh(jax.devices()[:1], 1, 1),
     )
     bench_lib.precompile_trainer(trainer, config)
     compiled = trainer_lib._accumulate._cache_size()

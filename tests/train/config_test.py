@@ -72,7 +72,8 @@ def test_every_trainer_field_can_be_set_from_the_command_line(config_file):
     from dora_jax.train import config_lib
 
     settable = [f.name for f in dataclasses.fields(TrainConfig)]
-    settable = [name for name in settable if name not in config_lib.ROLLOUT_FIELDS]
+    elsewhere = config_lib.ROLLOUT_FIELDS + config_lib.ENGINE_FIELDS
+    settable = [name for name in settable if name not in elsewhere]
     assert sorted(_OVERRIDES) == sorted(settable)
     path = pathlib.Path(__file__).parents[2] / "configs" / config_file
     argv = ["prog", f"--config={path}", *(f"--config.train.{k}={v}" for k, v in _OVERRIDES.items())]
@@ -82,7 +83,7 @@ def test_every_trainer_field_can_be_set_from_the_command_line(config_file):
     values(argv)
     config = values.config
     rollout = RolloutConfig.from_dict({**config.rollout.to_dict(), "seed": 0})
-    built = train_config(rollout, config.train)
+    built = train_config(rollout, config.train, config.engine.temperature)
     for name, value in _OVERRIDES.items():
         assert getattr(built, name) == value, name
 
@@ -92,5 +93,7 @@ def test_a_config_section_refuses_the_rollouts_fields_and_unknown_ones():
 
     with pytest.raises(ValueError, match="'tbs'.*rollout"):
         config_lib.config_section(tbs=8)
+    with pytest.raises(ValueError, match="'temperature'.*engine.temperature"):
+        config_lib.config_section(temperature=0.7)
     with pytest.raises(ValueError, match="unknown field.*'tbz'"):
         config_lib.config_section(tbz=8)

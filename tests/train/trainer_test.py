@@ -13,8 +13,10 @@ import pytest
 from flax import nnx
 from train_fixtures import TINY, random_batch, tiny_model
 
+from dora_jax.engine import Engine, Request, SamplingParams, generate_all
 from dora_jax.models import Functional, Transformer, create, sharding_lib
 from dora_jax.models.lora_lib import LoRAConfig
+from dora_jax.rollout.trajectory_lib import Trajectory
 from dora_jax.runtime import transfer_lib
 from dora_jax.train import TrainConfig, Trainer, batch_lib, trainer_lib
 
@@ -403,6 +405,74 @@ def test_restore_continues_identically(lora):
     other.step(batch)
     for a, b in zip(_host(trainer.params), _host(other.params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _numpy_logprobs(model, batch, temperature):
+    """float64: each response token's log-prob and each position's entropy under
+    softmax(logits / temperature), one unpadded forward per sample."""
+    fn, params = Functional.of(model)
+    logps, entropies = [], []
+    for t in batch:
+        seq = np.concatenate([t.prompt_tokens, t.response_tokens])[None]
+        z = np.asarray(fn.logits(params, jnp.asarray(seq))[0], np.float64) / temperature
+        rows = len(t.prompt_tokens) - 1 + np.arange(len(t.response_tokens))
+        logp = z[rows] - np.log(np.exp(z[rows]).sum(-1, keepdims=True))
+        logps.append(logp[np.arange(len(rows)), t.response_tokens])
+        entropies.append(-(np.exp(logp) * logp).sum(-1))
+    return logps, entropies
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=0.6), SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
+     SamplingParams.greedy()],
+    ids=["temperature", "truncated", "greedy"],
+)  # fmt: skip
+def test_samples_of_the_engine_are_on_policy_for_the_trainer_at_its_temperature(sampling):
+    """The trainer trains the policy the engines sample from, softmax(logits / T): at the same
+    params every ratio is 1 and nothing clips. It took T = 1 whatever the rollout's was (37% of
+    tokens clipped on a fully on-policy first step at T = 0.6); top-k / top-p choose which
+    tokens are drawn but the log-probs are the policy's on both sides."""
+    model = tiny_model()
+    engine = Engine(model, max_concurrent_decodes=8, max_prefill_length=8, max_decode_length=10,
+                    mesh=MESH, sampling=sampling)  # fmt: skip
+    rng = np.random.RandomState(4)
+    prompts = [rng.randint(0, TINY.vocab_size, rng.randint(1, 6)).tolist() for _ in range(8)]
+    requests = [Request(prompt_tokens=p, max_new_tokens=10, ignore_eos=True, seed=i)
+                for i, p in enumerate(prompts)]  # fmt: skip
+    completions = generate_all(engine, engine.load_params(), requests)
+    batch = [
+        Trajectory(prompt_id=i // 4, sample_index=i % 4, prompt_tokens=np.asarray(p, np.int32),
+                   response_tokens=c.tokens, behaviour_logprobs=c.logprobs, version=0,
+                   token_versions=np.zeros(len(c.tokens), np.int32), reward=float(i % 3))
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
+    ]  # fmt: skip
+    config = dataclasses.replace(BASE, temperature=sampling.temperature)
+    trainer = Trainer(model, config, MESH)
+    scale = sampling.temperature or 1.0  # greedy: the unscaled logits
+    want = _numpy_logprobs(model, batch, scale)[0]
+    for got, behaviour, expected in zip(trainer.logprobs(batch), batch, want, strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+        np.testing.assert_allclose(behaviour.behaviour_logprobs, expected, atol=1e-5)
+    m = trainer.step(batch)
+    assert abs(m["ratio_mean"] - 1) < 1e-5 and abs(m["ratio_max"] - 1) < 1e-5
+    assert m["clip_fraction/clip_low"] == m["clip_fraction/clip_high"] == 0
+    if sampling.temperature not in (0, 1):  # the trainer at T = 1 would see another policy
+        at_one = Trainer(tiny_model(), BASE, MESH).logprobs(batch)
+        gaps = [np.abs(a - t.behaviour_logprobs).max() for a, t in zip(at_one, batch, strict=True)]
+        assert max(gaps) > 0.1
+
+
+def test_kl_and_entropy_are_the_policys_at_the_rollout_temperature():
+    config = dataclasses.replace(BASE, kl_coef=0.1, temperature=0.5)
+    trainer = Trainer(tiny_model(), config, MESH, reference_model=tiny_model(3))
+    batch = _with_behaviour(trainer, random_batch(np.random.RandomState(8), 2, 4))
+    logp, entropy = _numpy_logprobs(tiny_model(), batch, 0.5)
+    ref = _numpy_logprobs(tiny_model(3), batch, 0.5)[0]
+    k3 = [np.exp(r - p) - (r - p) - 1 for p, r in zip(logp, ref, strict=True)]
+    m = trainer.step(batch)  # one mini-batch: its metrics are the params' before the update
+    np.testing.assert_allclose(m["kl"], np.concatenate(k3).mean(), rtol=1e-4)
+    np.testing.assert_allclose(m["entropy"], np.concatenate(entropy).mean(), rtol=1e-4)
 
 
 def test_kl_to_reference():
