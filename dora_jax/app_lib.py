@@ -9,12 +9,14 @@ TensorBoard events, trace and checkpoints left in the workdir. The config is che
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 import jax
 import jax.numpy as jnp
@@ -306,7 +308,10 @@ def _train_and_evaluate(
     settings = validate(config)
     check_inputs(config)
     data = load_task(config)
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ConfigError(f"--workdir={workdir}: a file, not a directory")
     os.makedirs(workdir, exist_ok=True)
+    _lock = _lock_workdir(workdir)  # held while this frame lives: until the run ends
     runner = reward_runner(config)
     checkpointer = _checkpointer(config, workdir)
     latest = checkpointer.latest_step()
@@ -511,6 +516,8 @@ def export_checkpoint(
     settings = validate(config)
     _check_workdir(workdir)
     check_inputs(config)
+    if out is not None:
+        _check_export_directory(config, workdir, out)
     data = load_task(config)
     model = load_policy(config, data.tokenizer.vocab_size, settings.plan.train_mesh)
     step, params = _checkpoint_params(config, settings, workdir, model, version)
@@ -530,6 +537,41 @@ def _save_policy(config: ml_collections.ConfigDict, model: models.Transformer, o
     models.save_pretrained(model, out, source=source, dtype=DTYPES[config.model.dtype])
     if model.lora is not None:
         models.save_adapter(model, os.path.join(out, models.hf_io.ADAPTER_DIR), base=source)
+
+
+def _check_export_directory(config: ml_collections.ConfigDict, workdir: str, out: str) -> None:
+    """Refuses an `--out` that is a file, the model the run started from (its files would be
+    replaced by the trained ones), or inside the run's checkpoints."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out={out}: a file, not a directory")
+    real = os.path.realpath(out)
+    source = config.model.checkpoint
+    if source and real == os.path.realpath(source):
+        raise ConfigError(f"--out={out} is model.checkpoint, the model the run started from")
+    checkpoints = os.path.realpath(os.path.join(workdir, "checkpoints"))
+    if os.path.commonpath([real, checkpoints]) == checkpoints:
+        raise ConfigError(f"--out={out} is inside the run's checkpoints; name another directory")
+
+
+def _lock_workdir(workdir: str) -> IO[str]:
+    """Holds `WORKDIR/.lock` while the returned file is open; the kernel frees it however the
+    process ends. Two `train`s on one workdir (a job requeued while the old one still ran) both
+    ran, mixing their checkpoints, metrics and summary."""
+    lock = open(os.path.join(workdir, ".lock"), "a+")  # noqa: SIM115 - held past this function
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "a process"
+        lock.close()
+        raise ConfigError(
+            f"--workdir={workdir}: another dora-jax train is running in it ({holder}); wait for "
+            "it to end or stop it, then the same command resumes"
+        ) from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
 
 
 def _check_workdir(workdir: str) -> None:

@@ -19,6 +19,14 @@ SUPPORTED_ARCHITECTURES = (
 _QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q/k norms, one bias switch for q/k/v/o
 
 
+# Every one of them at least 1: a zero width gave a model that trained at the uniform loss
+# without an error, a zero depth an IndexError.
+_SIZES = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+    "num_kv_heads", "head_dim",
+)  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and behaviour of one decoder-only transformer."""
@@ -56,6 +64,12 @@ class ModelConfig:
                 f"architecture {self.architecture!r} is not supported; "
                 f"choose one of {SUPPORTED_ARCHITECTURES}"
             )
+        for name in _SIZES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.head_dim % 2:  # rotary embeddings turn the head's halves as pairs
+            raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import ml_collections
@@ -98,12 +99,27 @@ def train_config(rollout: RolloutConfig, train: Any, temperature: float) -> Trai
     for shared in ("tbs", "group_size"):
         if shared in fields:
             raise ValueError(f"train.{shared}: set it once, as rollout.train_batch_size/group_size")
-    return TrainConfig.from_dict(
-        {
-            **fields,
-            "tbs": rollout.train_batch_size,
-            "group_size": rollout.group_size,
-            "max_staleness": paradigms_lib.PARADIGMS[rollout.mode]().bounds(rollout)[0],
-            "temperature": temperature,
-        }
-    )
+    try:
+        return TrainConfig.from_dict(
+            {
+                **fields,
+                "tbs": rollout.train_batch_size,
+                "group_size": rollout.group_size,
+                "max_staleness": paradigms_lib.PARADIGMS[rollout.mode]().bounds(rollout)[0],
+                "temperature": temperature,
+            }
+        )
+    except ValueError as e:  # the trainer's names for what the user set elsewhere
+        message = str(e)
+        for trainers, users in _SET_ELSEWHERE:
+            message = re.sub(trainers, users, message)
+        raise ValueError(message) from e
+
+
+_SET_ELSEWHERE = (
+    (r"\btrain\.group_size\b", "rollout.group_size"),
+    (r"(?<![\w.])group_size=", "rollout.group_size="),
+    (r"\btrain\.tbs\b", "rollout.train_batch_size"),
+    (r"(?<![\w.])tbs\b", "rollout.train_batch_size"),
+    (r"\btrain\.temperature\b", "engine.temperature"),
+)

@@ -103,6 +103,38 @@ def test_reading_a_workdir_without_checkpoints_leaves_it_as_it_was(tmp_path, ver
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_second_train_in_a_workdir_in_use_is_refused(tmp_path):
+    """A job requeued while the old one still ran: both trained, mixing checkpoints, metrics
+    and summary. The lock is the kernel's, so a killed run leaves none behind."""
+    held = app_lib._lock_workdir(str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"another dora-jax train is running in it \(pid "
+                       rf"{os.getpid()} on "):  # fmt: skip
+        app_lib.train_and_evaluate(default.get_config(), str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
+    held.close()
+    app_lib._lock_workdir(str(tmp_path)).close()  # free again
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="a file, not a directory"):
+        app_lib.train_and_evaluate(default.get_config(), str(tmp_path / "file"))
+
+
+def test_export_refuses_an_out_that_would_overwrite_something(tmp_path):
+    config = default.get_config()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    config.model.checkpoint = str(tmp_path / "model")
+    (tmp_path / "notes.txt").write_text("")
+    refusals = [
+        (tmp_path / "notes.txt", "a file, not a directory"),
+        (tmp_path / "model", "is model.checkpoint"),
+        (tmp_path / "checkpoints" / "x", "inside the run's checkpoints"),
+    ]
+    for out, says in refusals:
+        with pytest.raises(ConfigError, match=says):
+            app_lib.export_checkpoint(config, str(tmp_path), out=str(out))
+    assert not (tmp_path / "checkpoints").exists()
+
+
 @pytest.mark.parametrize(
     "override, says",
     [

@@ -41,6 +41,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("model", "lora_alpha", 0.0, "model.lora_alpha"),
         ("model", "lora_targets", "q_proj,lm_head", "model.lora_targets"),
         ("model", "lora_targets", "", "model.lora_targets"),
+        # A random init's shape: it trained at the uniform loss (width 0) or failed in JAX.
+        ("model", "hidden_size", 0, "model.hidden_size=0 must be an integer >= 1"),
+        ("model", "num_layers", 0, "model.num_layers=0 must be an integer >= 1"),
+        ("model", "num_kv_heads", 3, "model.num_heads=4 must be a multiple of num_kv_heads=3"),
+        ("model", "head_dim", 15, "model.head_dim=15 must be even"),
+        # Fields the trainer takes from the rollout are named where the user sets them.
+        ("rollout", "group_size", 1, "rollout.group_size: grpo needs group_size >= 2"),
+        ("train", "mini_batches", 3, "must divide rollout.train_batch_size=64"),
         ("data", "source", "s3", "data.source"),
         ("engine", "slots", 0, "engine.slots"),
         ("runtime", "generation_hosts", "gpu7", "runtime.generation_hosts"),
