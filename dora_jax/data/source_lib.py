@@ -163,7 +163,7 @@ def open_files(paths: Sequence[str | Path], fields: Sequence[str]) -> RowSource:
         else:
             raise ValueError(
                 f"data file {path}: unknown format {suffix!r} "
-                "(expected .jsonl, .parquet or .array_record)"
+                "(expected .jsonl, .json, .parquet or .array_record)"
             )
         if suffix != ".parquet":
             _check_fields(path, reader, fields)

@@ -235,7 +235,7 @@ class RewardRunner:
             return 0.0
         if outcome.raised:
             counters.errors += 1
-            _log.warning("reward for sample %s raised %s; scoring 0", sample_id, outcome.shown)
+            _log.warning("reward for sample %s failed (%s); scoring 0", sample_id, outcome.shown)
             return 0.0
         if math.isfinite(outcome.reward):
             return outcome.reward

@@ -226,8 +226,9 @@ def _load(workdir_or_path: str) -> tuple[str, bytes]:
 def read(workdir_or_path: str) -> list[dict[str, Any]]:
     """The events of `workdir/ledger.jsonl` (or of the ledger file named), checked.
 
-    Raises `LedgerError`, naming the file and the 1-based line, for a missing file, a line
-    that is not JSON or an event that lacks a key (see `check_event`). Blank lines are skipped.
+    Raises `LedgerError`, naming the file and the 1-based line, for a missing or empty file, a
+    line that is not JSON or an event that lacks a key (see `check_event`). Blank lines are
+    skipped.
     """
     path, data = _load(workdir_or_path)
     # `Ledger` ends every line with a newline, so the piece after the last one is empty
@@ -256,4 +257,6 @@ def read(workdir_or_path: str) -> list[dict[str, Any]]:
         except LedgerError as e:
             raise LedgerError(f"{where}: {e}") from None
         events.append(event)
+    if not events:  # a run that stopped before its start event, or not a run's ledger
+        raise LedgerError(f"{path} holds no events")
     return events

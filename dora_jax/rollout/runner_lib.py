@@ -149,7 +149,8 @@ class Rollout:
             while self.window.newest < self.config.num_iterations or self._draining:
                 self._turn()
         except BaseException as e:  # the ledger says how the run ended, the error goes on
-            stopped = f"{type(e).__name__}: {e}"
+            # An interruption carries no message: say what it was (Ctrl-C, or SIGTERM to train).
+            stopped = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (interrupted)"
             raise
         finally:
             self._executor.shutdown(wait=True)

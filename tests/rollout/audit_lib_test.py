@@ -253,6 +253,11 @@ def test_missing_workdir_or_ledger_fails_naming_the_path(tmp_path, capsys):
     assert audit_lib.main(str(tmp_path)) == 1  # the workdir exists, its ledger does not
     out = capsys.readouterr().out
     assert out.startswith(f"audit of {tmp_path}: FAIL: {tmp_path / 'ledger.jsonl'}: no ledger")
+    (tmp_path / "ledger.jsonl").write_text("\n")  # a run killed before its start event
+    assert audit_lib.main(str(tmp_path)) == 1
+    assert capsys.readouterr().out == (
+        f"audit of {tmp_path}: FAIL: {tmp_path / 'ledger.jsonl'} holds no events\n"
+    )
 
 
 def test_audit_events_rejects_a_malformed_event():
