@@ -234,13 +234,26 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
     a valid config may name a directory of another machine (a recipe's), so `validate` cannot.
     Data files are refused by field where they are opened (`task_lib.load_task`), also before
     the workdir is made."""
-    if config.model.checkpoint and not os.path.isfile(
-        os.path.join(config.model.checkpoint, "config.json")
-    ):
+    checkpoint = config.model.checkpoint
+    if not checkpoint:
+        return
+    if not os.path.isfile(os.path.join(checkpoint, "config.json")):
         raise ConfigError(
-            f"model.checkpoint={config.model.checkpoint!r}: not a Hugging Face model directory "
+            f"model.checkpoint={checkpoint!r}: not a Hugging Face model directory "
             "(it has no config.json)"
         )
+    if config.data.source == "files" and not os.path.isfile(
+        os.path.join(checkpoint, "tokenizer.json")
+    ):
+        raise ConfigError(
+            f"model.checkpoint={checkpoint!r} has no tokenizer.json, which tokenizes "
+            "data.source='files' prompts"
+        )
+    if config.data.template == "chat":
+        try:
+            make_template("chat", checkpoint)
+        except ValueError as e:
+            raise ConfigError(f"data.template='chat': {e}") from e
 
 
 # Numeric fields outside the `train` and `rollout` sections, whose dataclasses type theirs: a

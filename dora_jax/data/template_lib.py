@@ -127,7 +127,7 @@ class ChatTemplate:
             source = named.get("default")
         if not isinstance(source, str):
             raise ValueError(
-                f"prompt_template='chat' but {directory} has no chat_template "
+                f"{directory} has no chat_template "
                 "(neither chat_template.jinja nor a chat_template string in tokenizer_config.json)"
             )
         special = {}

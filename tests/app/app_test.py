@@ -447,6 +447,24 @@ def test_a_data_file_that_is_no_data_is_refused_naming_the_field_before_the_work
     assert not (tmp_path / "run").exists()
 
 
+def test_a_checkpoint_that_cannot_tokenize_or_template_is_refused_before_the_workdir(tmp_path):
+    """Both were tracebacks, after the workdir was made."""
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    checkpoint = tmp_path / "model"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    config = default.get_config()
+    config.model.checkpoint = str(checkpoint)
+    config.data.update(source="files", train_files=str(tmp_path / "train.jsonl"))
+    with pytest.raises(ConfigError, match=r"^model\.checkpoint=.* has no tokenizer\.json"):
+        app_lib.train_and_evaluate(config, str(tmp_path / "run"))
+    LongTailTask().tokenizer().save(checkpoint)
+    config.data.template = "chat"
+    with pytest.raises(ConfigError, match=r"^data\.template='chat': .*model has no chat_template"):
+        app_lib.train_and_evaluate(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("error", [BadRowError, NoUsableRowsError, ConfigError])
 def test_a_stop_by_the_data_policy_is_one_line_like_a_refusal(error):
     """A bad row under `data.on_bad_row=error` names its file, line and field: a traceback
