@@ -155,11 +155,16 @@ def audit_events(events: list[dict[str, Any]]) -> AuditReport:
     for key in sorted((in_flight | queued) & set(trained_count)):
         problems["C2"].append(f"sample {key} trained and still listed at the end")
     untrained = sorted(dispatched - set(trained_count) - in_flight - queued)
+    per_iter = collections.Counter(e["iteration"] for e in trains)
+    # A kill can land while an iteration's train events are being written: that iteration's
+    # part is what the kill cut off, not a batch trained short (the resumed run rewrites it).
+    cut = max(per_iter) if not ends and per_iter and per_iter[max(per_iter)] != tbs else None
     if not ends:  # what was unfinished is not known, so none of it can be called lost
+        written = "" if cut is None else f" (and iteration {cut}'s train events were cut off)"
         problems["C2"].append(
             f"no end event, so the {len(untrained)} dispatched samples not trained cannot be "
-            "checked: the run was killed; a rerun of its command resumes from its newest "
-            "checkpoint, and the resumed run's ledger is audited whole"
+            f"checked{written}: the run was killed; a rerun of its command resumes from its "
+            "newest checkpoint, and the resumed run's ledger is audited whole"
         )
     else:
         for key in untrained:
@@ -168,7 +173,7 @@ def audit_events(events: list[dict[str, Any]]) -> AuditReport:
     for e in trains:
         groups[(e["iteration"], e["prompt_id"])].append(e["sample_index"])
     for (it, pid), idx in sorted(groups.items()):
-        if g is not None and sorted(idx) != list(range(g)):
+        if g is not None and sorted(idx) != list(range(g)) and it != cut:
             problems["C2"].append(f"iteration {it}: group {pid} trained incomplete ({sorted(idx)})")
 
     # C3: bounded staleness and exactly TBS per iteration.
@@ -182,9 +187,8 @@ def audit_events(events: list[dict[str, Any]]) -> AuditReport:
             problems["C3"].append(
                 f"sample {e['prompt_id']}/{e['sample_index']} trained at staleness {s} > K={k}"
             )
-    per_iter = collections.Counter(e["iteration"] for e in trains)
     for it, n in sorted(per_iter.items()):
-        if tbs is not None and n != tbs:
+        if tbs is not None and n != tbs and it != cut:
             problems["C3"].append(f"iteration {it} trained {n} samples, TBS={tbs}")
 
     # completed: the run stopped on its own, after every iteration it was asked for.

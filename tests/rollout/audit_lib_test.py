@@ -119,6 +119,18 @@ def test_a_killed_runs_ledger_fails_as_killed_without_calling_its_unfinished_sam
     assert "(the run did not complete: killed" in report.format().splitlines()[0]
 
 
+def test_a_kill_while_an_iteration_is_written_is_said_not_called_a_short_batch(tmp_path):
+    """The kill cut the last iteration's train events off: its short count and split group
+    are what the kill left, not C2 / C3 failures of their own."""
+    events = _clean()[:-2]  # no end event, and the last iteration has 1 of its 2 samples
+    report = _write(tmp_path, events)
+    assert report.rules == {"C1": True, "C2": False, "C3": True, "completed": False}
+    (line,) = report.problems["C2"]
+    assert "(and iteration 1's train events were cut off)" in line
+    # With an end event the same short iteration is a failure.
+    assert not _write(tmp_path, [*events, _clean()[-1]]).rules["C3"]
+
+
 def test_clean_ledger_has_the_completed_rule_and_reads_as_before(tmp_path):
     # `_clean()` is in the format from before `stopped` / `num_iterations`: it must pass, with
     # the new rule reported and no "of N" iteration count it could not know.
