@@ -21,6 +21,7 @@ from dora_jax.config_fields_lib import ConfigError
 from dora_jax.data import (
     LongTailTask,
     MissingFieldError,
+    NoUsableRowsError,
     Tokenizer,
     file_list,
     load_tokenizer,
@@ -200,7 +201,10 @@ def heldout_records(config: ml_collections.ConfigDict, data: TaskData) -> list[d
     if data.heldout_rows is None:
         return []
     iterator = iter(prompt_records(config, data, data.heldout_rows, num_epochs=1))
-    return [record for record, _ in zip(iterator, range(config.eval.num_prompts), strict=False)]
+    try:
+        return [record for record, _ in zip(iterator, range(config.eval.num_prompts), strict=False)]
+    except NoUsableRowsError as e:  # named by its field: the training files may be fine
+        raise ConfigError(f"data.heldout_files: {e}") from e
 
 
 def held_out_due(version: int, every: int, barrier_every: int) -> bool:

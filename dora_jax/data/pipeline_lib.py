@@ -195,8 +195,8 @@ class PromptIterator(grain.DatasetIterator):
             counts = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items()))
             raise NoUsableRowsError(
                 f"no usable row in a whole pass over the {self._num_rows} rows of data files "
-                f"{list(self._files)}: every row is bad and skipped (on_bad_row='skip'), so "
-                f"training would wait forever; rows skipped so far by reason: {counts}"
+                f"{list(self._files)}: every row is bad and skipped (on_bad_row='skip'); rows "
+                f"skipped so far by reason: {counts}"
             )
 
     def get_state(self) -> dict:

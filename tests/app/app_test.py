@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from configs import default
-from dora_jax import app_lib, cli, models, settings_lib
+from dora_jax import app_lib, cli, models, settings_lib, task_lib
 from dora_jax.config_fields_lib import ConfigError
 from dora_jax.data import LongTailTask
 from dora_jax.data.pipeline_lib import BadRowError, NoUsableRowsError
@@ -459,6 +459,12 @@ def test_a_checkpoint_that_cannot_tokenize_or_template_is_refused_before_the_wor
     with pytest.raises(ConfigError, match=r"^model\.checkpoint=.* has no tokenizer\.json"):
         app_lib.train_and_evaluate(config, str(tmp_path / "run"))
     LongTailTask().tokenizer().save(checkpoint)
+    # Held-out files with no usable row are named as such, not as training data.
+    (tmp_path / "heldout.jsonl").write_text('{"prompt": 5, "answer": "2"}\n')
+    config.data.heldout_files = str(tmp_path / "heldout.jsonl")
+    data = task_lib.load_task(config)
+    with pytest.raises(ConfigError, match=r"^data\.heldout_files: no usable row .* wrong_type=1"):
+        task_lib.heldout_records(config, data)
     config.data.template = "chat"
     with pytest.raises(ConfigError, match=r"^data\.template='chat': .*model has no chat_template"):
         app_lib.train_and_evaluate(config, str(tmp_path / "run"))
