@@ -39,6 +39,7 @@ from dora_jax.settings_lib import (
     check_inputs,
     check_same_run,
     engine_sampling,
+    longtail_task,
     lora_config,
     reward_runner,
     run_defining_fields,
@@ -535,6 +536,9 @@ def _save_policy(config: ml_collections.ConfigDict, model: models.Transformer, o
     merged, and its adapters alone in PEFT's format under `adapter/` as well."""
     source = config.model.checkpoint or None
     models.save_pretrained(model, out, source=source, dtype=DTYPES[config.model.dtype])
+    if source is None and config.data.source == "longtail":
+        # The built-in task's tokenizer goes along, so the policy reloads as a model.checkpoint.
+        longtail_task(config).tokenizer().save(out)
     if model.lora is not None:
         models.save_adapter(model, os.path.join(out, models.hf_io.ADAPTER_DIR), base=source)
 

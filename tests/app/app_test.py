@@ -23,7 +23,7 @@ from flax import nnx
 from configs import default
 from dora_jax import app_lib, cli, models, settings_lib, task_lib
 from dora_jax.config_fields_lib import ConfigError
-from dora_jax.data import LongTailTask
+from dora_jax.data import LongTailTask, load_tokenizer
 from dora_jax.data.pipeline_lib import BadRowError, NoUsableRowsError
 from dora_jax.observe import metrics_lib
 from dora_jax.rollout import audit_lib, ledger_lib
@@ -315,6 +315,8 @@ def test_a_lora_run_trains_adapters_alone_and_exports_them_merged(tmp_path, host
     assert all(audit_lib.audit(str(tmp_path)).rules.values())
 
     vocab = LongTailTask().tokenizer().vocab_size
+    # The built-in task's tokenizer is written along: the policy reloads as a model.checkpoint.
+    assert load_tokenizer(str(tmp_path / "hf_policy")).vocab_size == vocab
     shape = {k: v for k, v in config.model.items() if k in settings_lib.MODEL_SHAPE_FIELDS}
     model_config = models.ModelConfig(vocab_size=vocab, **shape)
     base = models.create(model_config, seed=config.seed)
