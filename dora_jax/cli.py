@@ -13,12 +13,13 @@ Every command keeps its compiled programs in JAX's persistent cache (`compilatio
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -118,14 +119,21 @@ def _audit(argv: list[str]) -> None:
     from dora_jax.rollout import audit_lib
 
     workdir = argv[1] if len(argv) > 1 else _workdir()
-    try:
+    code = 0
+    with _reader_may_stop():
         code = audit_lib.main(workdir)
-        sys.stdout.flush()
-    except BrokenPipeError:  # `dora-jax audit DIR | head`: the reader has what it wanted
-        # Flushing at exit would raise again: stdout goes where nothing is read.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code = 0
     sys.exit(code)
+
+
+@contextlib.contextmanager
+def _reader_may_stop() -> Iterator[None]:
+    """`dora-jax audit DIR | head`: a reader that stops early has what it wanted, which is no
+    error. Flushing at exit would raise again, so stdout then goes where nothing is read."""
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _bench(argv: list[str]) -> None:
@@ -262,8 +270,9 @@ def _help(command: str | None) -> str:
 
 def run() -> None:
     """Console-script entry point: the first argument names the command."""
-    if any(a in ("-h", "--help", "--helpshort") for a in sys.argv[1:]):
-        print(_help(sys.argv[1] if sys.argv[1] in COMMANDS else None))
+    if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in sys.argv[1:]):
+        with _reader_may_stop():
+            print(_help(sys.argv[1] if sys.argv[1] in COMMANDS else None))
         sys.exit(0)
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
         sys.exit(f"usage: dora-jax {{{'|'.join(COMMANDS)}}} [--config=configs/default.py] ...")
