@@ -459,6 +459,9 @@ _RESUMABLE_CHANGES = (
     "checkpoint.", "sft.", "engine.slots", "reward.isolation", "reward.workers",
     "train.remat",  # what the backward keeps (same math, bfloat16 rounds apart): on after OOM
     "model.qk_norm",  # implied by model.architecture (ModelConfig refuses any other value)
+    # A run stopped by a bad row under "error" goes on under "skip": every row it read before
+    # was good, so its prompts so far are the same either way.
+    "data.on_bad_row",
 )  # fmt: skip
 
 

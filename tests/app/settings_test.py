@@ -228,6 +228,19 @@ def test_lora_targets_are_the_same_run_in_any_order_and_spacing(tmp_path):
         settings_lib.check_same_run(saved, config, str(tmp_path))
 
 
+def test_a_run_stopped_by_a_bad_row_resumes_skipping_them(tmp_path):
+    """Under on_bad_row=error every bad row stopped the run and was refused on resume under
+    skip, so a user fixed the data one restart at a time."""
+    config = default.get_config()
+    config.data.on_bad_row = "error"
+    saved = settings_lib.run_defining_fields(config)
+    config.data.on_bad_row = "skip"
+    settings_lib.check_same_run(saved, config, str(tmp_path))
+    config.data.max_prompt_len = 7  # the data's other rules still define the run
+    with pytest.raises(ValueError, match=r"data\.max_prompt_len"):
+        settings_lib.check_same_run(saved, config, str(tmp_path))
+
+
 def test_a_config_without_a_field_the_app_reads_names_it():
     """A config file written before a field existed failed with a bare AttributeError (or a
     KeyError, deep in validation)."""
