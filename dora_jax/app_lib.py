@@ -317,7 +317,9 @@ def _train_and_evaluate(
     checkpointer = _checkpointer(config, workdir)
     latest = checkpointer.latest_step()
     if latest is not None:  # before anything of the saved run is restored or cut back
-        check_same_run(checkpointer.read_meta(latest).get("config"), config, workdir)
+        saved_meta = checkpointer.read_meta(latest)
+        check_same_run(saved_meta.get("config"), config, workdir)
+        _check_same_rows(saved_meta.get("train_rows"), len(data.train_rows), workdir)
         if latest > settings.rollout.num_iterations:
             raise ConfigError(
                 f"{workdir} holds a run at version {latest}, past "
@@ -408,6 +410,7 @@ def _train_and_evaluate(
         checkpoint_meta = {
             **meta,
             "config": run_defining_fields(config),
+            "train_rows": len(data.train_rows),
             "seed": config.seed,
             "rollout": rollout_state,
             "trainer": {k: int(v) for k, v in state.items() if k not in _TRAIN_ARRAYS},
@@ -541,6 +544,18 @@ def _save_policy(config: ml_collections.ConfigDict, model: models.Transformer, o
         longtail_task(config).tokenizer().save(out)
     if model.lora is not None:
         models.save_adapter(model, os.path.join(out, models.hf_io.ADAPTER_DIR), base=source)
+
+
+def _check_same_rows(saved: int | None, now: int, workdir: str) -> None:
+    """Refuses to resume over training data with another number of rows: the saved data
+    iterator's position (and every prompt id after it) would point at other rows. (None: a
+    checkpoint from before the count was saved.)"""
+    if saved is not None and saved != now:
+        raise ConfigError(
+            f"data.train_files: {now} rows now, {saved} when the run in {workdir} was saved; "
+            "its data iterator would go on at other rows: restore the files, or start anew in "
+            "another workdir"
+        )
 
 
 def _check_export_directory(config: ml_collections.ConfigDict, workdir: str, out: str) -> None:

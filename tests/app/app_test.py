@@ -601,6 +601,14 @@ def test_files_and_checkpoint_path_end_to_end(tmp_path, monkeypatch, caplog):
         assert str(value.dtype) == "torch.bfloat16", name
         expected = written[name].astype(jnp.bfloat16).astype(np.float32)
         np.testing.assert_array_equal(value.float().numpy(), expected, err_msg=name)
+    # Rows deleted from (or added to) the training files: the saved iterator's position would
+    # point at other rows, and the run went on silently.
+    config.model.dtype = "float32"
+    config.train.update(kl_coef=0.05, tis_cap=None, max_staleness=None)
+    config.rollout.num_iterations = 6
+    train_file.write_text("\n".join(lines[:-1]) + "\n")
+    with pytest.raises(ConfigError, match=r"^data\.train_files: 11 rows now, 12 when the run"):
+        app_lib.train_and_evaluate(config, str(workdir), progress=False)
 
 
 def _tensors(directory, name: str = "model.safetensors") -> dict[str, np.ndarray]:
