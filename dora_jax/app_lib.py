@@ -9,6 +9,7 @@ TensorBoard events, trace and checkpoints left in the workdir. The config is che
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -293,7 +294,10 @@ def train_and_evaluate(
     start = time.perf_counter()
     group = start_training_hosts(config)
     try:
-        return _train_and_evaluate(config, workdir, progress, group, start)
+        # What the run holds until it ends, however it ends (the workdir's lock): an exception's
+        # traceback keeps the run's frame, and with it a plain local, alive after the run.
+        with contextlib.ExitStack() as held:
+            return _train_and_evaluate(config, workdir, progress, group, start, held)
     finally:
         if group is not None:
             group.close()
@@ -305,6 +309,7 @@ def _train_and_evaluate(
     progress: bool | None,
     group: training_hosts_lib.Group | None,
     start: float,
+    held: contextlib.ExitStack,
 ) -> dict[str, Any]:
     settings = validate(config)
     check_inputs(config)
@@ -312,7 +317,7 @@ def _train_and_evaluate(
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ConfigError(f"--workdir={workdir}: a file, not a directory")
     os.makedirs(workdir, exist_ok=True)
-    _lock = _lock_workdir(workdir)  # held while this frame lives: until the run ends
+    held.enter_context(_lock_workdir(workdir))
     runner = reward_runner(config)
     checkpointer = _checkpointer(config, workdir)
     latest = checkpointer.latest_step()

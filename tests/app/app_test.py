@@ -440,6 +440,7 @@ def test_a_data_file_that_is_no_data_is_refused_naming_the_field_before_the_work
     (tmp_path / name).write_text(contents)
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")  # never parsed here
     config = default.get_config()
     config.model.checkpoint = str(tmp_path / "model")
     config.data.update(source="files", train_files=str(tmp_path / "train.jsonl"),

@@ -177,6 +177,7 @@ def test_missing_input_files_are_named_by_field_and_spaces_in_lists_are_dropped(
     (tmp_path / "a.jsonl").write_text('{"prompt": "p", "answer": "a"}\n')
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")  # never parsed here
     monkeypatch.setattr(task_lib, "load_tokenizer", lambda path: None)  # no tokenizer.json here
     config = default.get_config()
     config.data.update(source="files", train_files=f"{tmp_path / 'a.jsonl'} , ")
@@ -205,6 +206,7 @@ def test_a_field_name_no_row_has_is_refused_naming_the_config_field(tmp_path, mo
     (tmp_path / "a.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")  # never parsed here
     monkeypatch.setattr(task_lib, "load_tokenizer", lambda path: None)  # no tokenizer.json here
     config = default.get_config()
     config.data.update(source="files", train_files=str(tmp_path / "a.jsonl"))
