@@ -103,7 +103,7 @@ def test_reading_a_workdir_without_checkpoints_leaves_it_as_it_was(tmp_path, ver
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_second_train_in_a_workdir_in_use_is_refused(tmp_path):
+def test_a_second_train_in_a_workdir_in_use_is_refused(tmp_path, monkeypatch):
     """A job requeued while the old one still ran: both trained, mixing checkpoints, metrics
     and summary. The lock is the kernel's, so a killed run leaves none behind."""
     held = app_lib._lock_workdir(str(tmp_path))
@@ -113,6 +113,16 @@ def test_a_second_train_in_a_workdir_in_use_is_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
     held.close()
     app_lib._lock_workdir(str(tmp_path)).close()  # free again
+
+    def refuse(config):
+        raise ConfigError("refused after the lock was taken")
+
+    monkeypatch.setattr(app_lib, "reward_runner", refuse)
+    with pytest.raises(ConfigError, match="after the lock") as refused:
+        app_lib.train_and_evaluate(default.get_config(), str(tmp_path))
+    # A run that failed lets the lock go, though its traceback (`refused`) is still alive.
+    app_lib._lock_workdir(str(tmp_path)).close()
+    assert refused.traceback
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="a file, not a directory"):
         app_lib.train_and_evaluate(default.get_config(), str(tmp_path / "file"))
