@@ -171,17 +171,23 @@ def test_a_max_prompt_len_too_short_for_the_builtin_task_is_refused_at_start():
         settings_lib.validate(config)
 
 
+def _stub_checkpoint(tmp_path, monkeypatch) -> str:
+    """A model directory that passes `check_inputs`, whose tokenizer is never read (stubbed):
+    these tests are about the data files."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(task_lib, "load_tokenizer", lambda path: None)
+    return str(tmp_path / "model")
+
+
 def test_missing_input_files_are_named_by_field_and_spaces_in_lists_are_dropped(
     tmp_path, monkeypatch
 ):
     (tmp_path / "a.jsonl").write_text('{"prompt": "p", "answer": "a"}\n')
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    (tmp_path / "model" / "tokenizer.json").write_text("{}")  # never parsed here
-    monkeypatch.setattr(task_lib, "load_tokenizer", lambda path: None)  # no tokenizer.json here
     config = default.get_config()
     config.data.update(source="files", train_files=f"{tmp_path / 'a.jsonl'} , ")
-    config.model.checkpoint = str(tmp_path / "model")
+    config.model.checkpoint = _stub_checkpoint(tmp_path, monkeypatch)
     settings_lib.check_inputs(config)
     assert len(task_lib.load_task(config).train_rows) == 1
     config.data.train_files = " , ,"
@@ -204,13 +210,9 @@ def test_a_field_name_no_row_has_is_refused_naming_the_config_field(tmp_path, mo
     """A misspelled `data.prompt_field` made every row a bad row: one warning per row through a
     whole pass, then a stop that blamed the data, after the workdir was made."""
     (tmp_path / "a.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    (tmp_path / "model" / "tokenizer.json").write_text("{}")  # never parsed here
-    monkeypatch.setattr(task_lib, "load_tokenizer", lambda path: None)  # no tokenizer.json here
     config = default.get_config()
     config.data.update(source="files", train_files=str(tmp_path / "a.jsonl"))
-    config.model.checkpoint = str(tmp_path / "model")
+    config.model.checkpoint = _stub_checkpoint(tmp_path, monkeypatch)
     with pytest.raises(ConfigError, match=r"^data\.prompt_field='prompt': data file .*a\.jsonl: "
                        r"none of its first 1 rows has a field 'prompt' \(they have \['answer', "
                        r"'question'\]\)$"):  # fmt: skip
