@@ -609,6 +609,9 @@ class Rollout:
         for x in self.healthy():
             x.unload()
         self._draining = False
+        # The timeline so far, which a SIGKILL would lose (the trace is otherwise written at
+        # the stop): a resume from this barrier reads it as the run before the restart.
+        self.trace.save(os.path.join(self.workdir, TRACE_FILE))
         if self.on_checkpoint is not None:
             self.on_checkpoint(self.state_dict())
 

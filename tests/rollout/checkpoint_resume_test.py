@@ -72,3 +72,20 @@ def test_resumed_run_writes_the_uninterrupted_ledger(
     report = audit_lib.audit(str(resumed))
     assert report.rules["C2"] and report.rules["C3"]
     assert report.trained == 6 * 8
+
+
+def test_the_trace_up_to_each_barrier_survives_a_kill(tmp_path):
+    """A SIGKILLed run never reaches its stop, where the trace is written: its timeline was
+    lost, and the resumed run's trace began at the restart."""
+    traced: list[list[str]] = []
+
+    def on_checkpoint(state):
+        events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+        traced.append([e["name"] for e in events if e.get("ph") == "X"])
+
+    rollout, _, _ = make_rollout(
+        str(tmp_path), mode="dora", train_batch_size=8, rollout_batch_size=16, group_size=4,
+        staleness_bound=2, num_iterations=4, checkpoint_every=2, on_checkpoint=on_checkpoint,
+    )  # fmt: skip
+    rollout.run()
+    assert len(traced) == 2 and "decode v0" in traced[0] and len(traced[1]) > len(traced[0])
