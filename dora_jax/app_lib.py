@@ -35,13 +35,13 @@ from dora_jax.runtime import hosts_lib, training_hosts_lib
 from dora_jax.runtime.devices_lib import DevicePlan
 from dora_jax.settings_lib import (
     DTYPES,
-    MODEL_SHAPE_FIELDS,
     Settings,
     check_inputs,
     check_same_run,
     engine_sampling,
     longtail_task,
     lora_config,
+    model_shape,
     reward_runner,
     run_defining_fields,
     stop_strings,
@@ -122,8 +122,7 @@ def load_policy(
     if config.model.checkpoint:
         path = config.model.checkpoint
         return models.from_pretrained(path, mesh=mesh, seed=config.seed, **kwargs)
-    shape = {k: v for k, v in config.model.items() if k in MODEL_SHAPE_FIELDS}
-    model_config = models.ModelConfig(vocab_size=vocab_size, **shape)
+    model_config = models.ModelConfig(vocab_size=vocab_size, **model_shape(config))
     model = models.create(model_config, seed=config.seed, **kwargs)
     return sharding_lib.shard_model(model, mesh)
 

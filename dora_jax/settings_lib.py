@@ -40,6 +40,12 @@ MODEL_SHAPE_FIELDS = {
 }
 
 
+def model_shape(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """A random init's `ModelConfig` fields from `config.model`, all but the vocabulary (the
+    tokenizer's)."""
+    return {k: v for k, v in config.model.items() if k in MODEL_SHAPE_FIELDS}
+
+
 # -- configuration ------------------------------------------------------------------------------
 
 
@@ -176,9 +182,8 @@ def _validate(config: ml_collections.ConfigDict) -> Settings:
         )
     check_integer_fields(config, _MINIMA)
     if not config.model.checkpoint:  # a checkpoint's shape is its config.json's
-        shape = {k: v for k, v in config.model.items() if k in MODEL_SHAPE_FIELDS}
         # The vocabulary is the tokenizer's, known once the task is loaded.
-        _named("model.", lambda: models.ModelConfig(vocab_size=1, **shape))
+        _named("model.", lambda: models.ModelConfig(vocab_size=1, **model_shape(config)))
     if lora_config(config) is not None and not config.model.checkpoint:
         # The adapters are all that trains; a random base's frozen head and norms cap its logits
         # near uniform (the default task at rank 8: warm-up cross-entropy 3.13, uniform 3.97,

@@ -327,7 +327,7 @@ def test_a_lora_run_trains_adapters_alone_and_exports_them_merged(tmp_path, host
     vocab = LongTailTask().tokenizer().vocab_size
     # The built-in task's tokenizer is written along: the policy reloads as a model.checkpoint.
     assert load_tokenizer(str(tmp_path / "hf_policy")).vocab_size == vocab
-    shape = {k: v for k, v in config.model.items() if k in settings_lib.MODEL_SHAPE_FIELDS}
+    shape = settings_lib.model_shape(config)
     model_config = models.ModelConfig(vocab_size=vocab, **shape)
     base = models.create(model_config, seed=config.seed)
     lora = models.LoRAConfig(4, 8.0, ("q_proj", "v_proj", "down_proj"))

@@ -35,7 +35,7 @@ def _check_on_mesh(model: models.Transformer, reference: models.Transformer, mes
 @pytest.mark.parametrize("from_checkpoint", [True, False], ids=["checkpoint", "random"])
 def test_policy_lands_on_the_training_mesh(tmp_path, from_checkpoint):
     config = default.get_config()
-    shape = {k: v for k, v in config.model.items() if k in settings_lib.MODEL_SHAPE_FIELDS}
+    shape = settings_lib.model_shape(config)
     reference = models.create(models.ModelConfig(vocab_size=VOCAB, **shape), seed=config.seed)
     if from_checkpoint:
         models.save_pretrained(reference, str(tmp_path))
@@ -53,7 +53,7 @@ def test_bfloat16_computes_in_bfloat16_and_trains_float32_master_weights(tmp_pat
     config = default.get_config()
     config.model.dtype = "bfloat16"
     if from_checkpoint:
-        shape = {k: v for k, v in config.model.items() if k in settings_lib.MODEL_SHAPE_FIELDS}
+        shape = settings_lib.model_shape(config)
         bf16 = models.create(
             models.ModelConfig(vocab_size=VOCAB, **shape), param_dtype=jnp.bfloat16
         )
