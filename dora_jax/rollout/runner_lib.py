@@ -290,9 +290,7 @@ class Rollout:
                     failed.append(x)
 
         dispatch([x for x in self.healthy() if x.active() and not x.expecting])
-        waiting_us = self.trace.now_us()
-        self._settle()
-        settle_us = self.trace.now_us() - waiting_us
+        waited = self._settle()
         received = self._receive_all()
         received_us = self.trace.now_us()  # their turn on the timeline starts after the load
         dispatch([x for x in received if x.active()])
@@ -322,7 +320,7 @@ class Rollout:
         # The wait for the trainer counts as idle for every instance (`_settle`), as if none
         # decoded meanwhile: when they finished is not known, so the bubble is not understated.
         # So does scoring the turn's finished samples, when nothing is enqueued.
-        self.telemetry.decode_turn(busy, (scoring_us - t0 - settle_us) / 1e6, lags)
+        self.telemetry.decode_turn(busy, (scoring_us - t0) / 1e6 - waited, lags)
         for x in failed:
             self._fail(x)
         return max(map(len, busy))
@@ -533,15 +531,17 @@ class Rollout:
         self._publish_now = False
         self._retire()
 
-    def _settle(self) -> None:
+    def _settle(self) -> float:
         """Waits for the step of the version taken up this turn, if any, and records it: the
-        ledger's trained samples, the trainer's span, the iteration's metrics."""
+        ledger's trained samples, the trainer's span, the iteration's metrics. Returns the
+        seconds waited, which telemetry counts as idle for every instance."""
         job = self._taking_up
         if job is None:
-            return
+            return 0.0
         wait0 = time.perf_counter()
         train_metrics, t0, t1, published = job.future.result()
-        self.telemetry.idle_wait(time.perf_counter() - wait0)
+        waited = time.perf_counter() - wait0
+        self.telemetry.idle_wait(waited)
         if published.version != self.window.newest:
             raise RuntimeError(
                 f"trainer published v{published.version}, took up v{self.window.newest}"
@@ -581,6 +581,7 @@ class Rollout:
             self.on_iteration(m)
         self._last_publish_us = now
         self.telemetry.reset()
+        return waited
 
     def _retire(self) -> None:
         """Frees the params of versions that left the window (all their samples trained)."""

@@ -240,7 +240,7 @@ def test_older_versions_decode_while_the_controller_waits_for_the_version_it_too
     def settling(self):
         if self._taking_up is not None:
             events.append(("settle", self._taking_up.iteration + 1))
-        settle(self)
+        return settle(self)
 
     monkeypatch.setattr(runner_lib.Rollout, "_take_up", taking_up)
     monkeypatch.setattr(runner_lib.Rollout, "_settle", settling)
