@@ -134,8 +134,8 @@ ALL_FAILED_AFTER = 32
 
 
 class RewardAdapter:
-    """(prompt id, response tokens) -> reward: the task's, through the timeout-safe
-    `RewardRunner`, plus the overlong penalty of the response's length."""
+    """((prompt id, sample index), response tokens) -> reward: the task's, through the
+    timeout-safe `RewardRunner`, plus the overlong penalty of the response's length."""
 
     def __init__(
         self,
@@ -151,11 +151,12 @@ class RewardAdapter:
         self.penalized = 0
         self._said_all_failed = False
 
-    def __call__(self, batch: Sequence[tuple[int, np.ndarray]]) -> list[float]:
-        """A turn's finished samples, scored by the runner's workers together."""
+    def __call__(self, batch: Sequence[tuple[tuple[int, int], np.ndarray]]) -> list[float]:
+        """A turn's finished samples, scored by the runner's workers together; a failure's
+        warning names the sample as the ledger does, (prompt id, sample index)."""
         items = [
-            (pid, self.tokenizer.decode([int(t) for t in tokens]), self.prompts.answer(pid))
-            for pid, tokens in batch
+            (key, self.tokenizer.decode([int(t) for t in tokens]), self.prompts.answer(key[0]))
+            for key, tokens in batch
         ]
         rewards = []
         for reward, (_, tokens) in zip(self.runner.score(items), batch, strict=True):

@@ -35,15 +35,16 @@ class PromptSpec:
 
 
 PromptSource = Callable[[int], PromptSpec]  # prompt_id -> spec, deterministic
-# (prompt id, response tokens) of every sample finished in one turn -> their rewards, in order.
-# One call per turn, not per sample: a reward that waits on something (a sandbox running code,
-# a judge model) scores the turn's samples concurrently while the instances wait once.
-TurnRewardFn = Callable[[Sequence[tuple[int, np.ndarray]]], Sequence[float]]
+# ((prompt id, sample index), response tokens) of every sample finished in one turn -> their
+# rewards, in order. One call per turn, not per sample: a reward that waits on something (a
+# sandbox running code, a judge model) scores the turn's samples concurrently while the
+# instances wait once. The sample index is there to name the sample when its reward fails.
+TurnRewardFn = Callable[[Sequence[tuple[tuple[int, int], np.ndarray]]], Sequence[float]]
 
 
 def per_sample(fn: Callable[[int, np.ndarray], float]) -> TurnRewardFn:
     """The `TurnRewardFn` scoring each sample with `fn(prompt_id, tokens)`, one after another."""
-    return lambda batch: [fn(prompt_id, tokens) for prompt_id, tokens in batch]
+    return lambda batch: [fn(key[0], tokens) for key, tokens in batch]
 
 
 @dataclasses.dataclass

@@ -330,9 +330,7 @@ class Rollout:
         in the order the instances handed them back."""
         if not requests:
             return
-        rewards = self.reward_fn(
-            [(r.prompt.prompt_id, np.asarray(r.tokens, np.int32)) for r in requests]
-        )
+        rewards = self.reward_fn([(r.key, np.asarray(r.tokens, np.int32)) for r in requests])
         if len(rewards) != len(requests):
             raise ValueError(f"the reward function gave {len(rewards)} rewards for {len(requests)}")
         for request, reward in zip(requests, rewards, strict=True):

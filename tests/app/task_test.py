@@ -35,7 +35,7 @@ def test_the_trained_reward_is_the_tasks_plus_the_overlong_penalty():
     reward = task_lib.RewardAdapter(runner, tokenizer, prompts, settings.overlong)
     right, wrong = [7], [3]
     responses = [right, [10] * 43 + right, [10] * 47 + wrong, [10] * 39 + wrong]
-    scored = reward([(0, np.asarray(tokens, np.int32)) for tokens in responses])
+    scored = reward([((0, j), np.asarray(t, np.int32)) for j, t in enumerate(responses)])
     assert scored == [1.0, 1.0 - 0.5 * 4 / 8, -0.5, 0.0]
     assert reward.metrics()["reward/overlong_penalized"] == 2
     assert reward.metrics()["reward/calls"] == 4
@@ -67,7 +67,7 @@ def test_a_turns_samples_are_scored_concurrently():
     tokenizer = types.SimpleNamespace(decode=lambda ids: "y")
     overlong = settings_lib.validate(default.get_config()).overlong
     reward = task_lib.RewardAdapter(runner, tokenizer, prompts, overlong)
-    assert reward([(0, np.asarray([1], np.int32))] * 4) == [1.0] * 4
+    assert reward([((0, j), np.asarray([1], np.int32)) for j in range(4)]) == [1.0] * 4
     assert runner.counters.errors == 0
 
 
@@ -97,13 +97,16 @@ def test_a_run_whose_every_reward_call_fails_says_so_once(caplog):
         runner = RewardRunner(fn, timeout_s=5.0, isolation="thread")
         reward = task_lib.RewardAdapter(runner, tokenizer, prompts, OverlongPenalty(8))
         caplog.clear()
-        reward([(0, np.asarray([1], np.int32))] * (n - 1))
+        reward([((0, j), np.asarray([1], np.int32)) for j in range(n - 1)])
         assert not any("every one of" in m for m in caplog.messages)
-        reward([(0, np.asarray([1], np.int32))])
+        # Each failure names its sample as the ledger does, not just its prompt.
+        named = {m.split(" failed")[0] for m in caplog.messages if m.startswith("reward for")}
+        assert named == ({f"reward for sample (0, {j})" for j in range(n - 1)} if says else set())
+        reward([((0, 0), np.asarray([1], np.int32))])
         reward.prompts = task_lib.PromptStream(
             iter([{"prompt_tokens": [1], "answer": "x"}]), group_size=1, max_new_tokens=4
         )
         reward.prompts(0)
-        reward([(0, np.asarray([1], np.int32))])  # once only
+        reward([((0, 0), np.asarray([1], np.int32))])  # once only
         warned = [m for m in caplog.messages if "every one of the run's" in m]
         assert len(warned) == (1 if says else 0)
