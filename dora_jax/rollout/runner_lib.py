@@ -317,9 +317,9 @@ class Rollout:
             self.telemetry.state(x.name, f"{label} v{x.version}", start, version=x.version)
         self._admitting.clear()
         lags = [self.window.newest - x.version if busy[x.index] else 0 for x in self.instances]
-        # The wait for the trainer counts as idle for every instance (`_settle`), as if none
+        # The wait for the trainer is left out of every instance's decoding time, as if none
         # decoded meanwhile: when they finished is not known, so the bubble is not understated.
-        # So does scoring the turn's finished samples, when nothing is enqueued.
+        # So is scoring the turn's finished samples, when nothing is enqueued.
         self.telemetry.decode_turn(busy, (scoring_us - t0) / 1e6 - waited, lags)
         for x in failed:
             self._fail(x)
@@ -532,14 +532,13 @@ class Rollout:
     def _settle(self) -> float:
         """Waits for the step of the version taken up this turn, if any, and records it: the
         ledger's trained samples, the trainer's span, the iteration's metrics. Returns the
-        seconds waited, which telemetry counts as idle for every instance."""
+        seconds waited (no instance's decoding is timed through it)."""
         job = self._taking_up
         if job is None:
             return 0.0
         wait0 = time.perf_counter()
         train_metrics, t0, t1, published = job.future.result()
         waited = time.perf_counter() - wait0
-        self.telemetry.idle_wait(waited)
         if published.version != self.window.newest:
             raise RuntimeError(
                 f"trainer published v{published.version}, took up v{self.window.newest}"
@@ -560,7 +559,7 @@ class Rollout:
         self.staged[published.version] = published.params
         now = self.trace.now_us()
         interval = (now - self._last_publish_us) / 1e6
-        m = self.telemetry.iteration_metrics()
+        m = self.telemetry.iteration_metrics(interval)
         tokens = sum(len(t.prompt_tokens) + len(t.response_tokens) for t in job.batch)
         m.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
         m.update(

@@ -4,10 +4,10 @@ The two bubbles of DESIGN.md are measured apart, both weighted by wall time:
 
 - `slot_occupancy` (1 - the intra-instance bubble): while an instance decodes, the fraction of
   its slots that hold a request. The long tail of a synchronous batch shows up here.
-- `bubble_fraction` (the inter-instance bubble): the fraction of instance-time with nothing to
-  decode. Each decode step's duration counts for every instance, and time the controller spends
-  waiting for the trainer or scoring finished samples (`reward_s`; a track of its own in the
-  trace) counts as idle for all of them.
+- `bubble_fraction` (the inter-instance bubble): the fraction of the iteration's wall time
+  that instances spent not decoding. Everything else counts as idle for every instance: waiting
+  for the trainer, scoring finished samples (`reward_s`; a track of its own in the trace), weight
+  moves and migrations (the engines wait for them), checkpoints, the controller's own work.
 
 Beside them, logical counts (`instance_steps`, split by how far each instance's version lags
 the newest: `instance_steps/lag0`, ..., with `busy_slot_steps/` and `slot_steps/` for the
@@ -46,7 +46,6 @@ class Telemetry:
         n = len(self.num_slots)
         self.busy_slot_time = [0.0] * n
         self.busy_time = [0.0] * n
-        self.total_time = 0.0
         self.rollout_time = 0.0
         self.counters: collections.Counter[str] = collections.Counter()
 
@@ -98,28 +97,22 @@ class Telemetry:
                 self.counters[f"instance_steps/{lag}"] += 1
                 self.counters[f"slot_steps/{lag}"] += self.num_slots[i]
                 self.counters[f"busy_slot_steps/{lag}"] += busy
-        self.total_time += seconds
         self.rollout_time += seconds
-
-    def idle_wait(self, seconds: float) -> None:
-        self.total_time += seconds
 
     def scored(self, samples: int, start_us: float, end_us: float) -> None:
         """A turn's finished samples were scored from `start_us` to `end_us`: a slow reward
         shows on its own track and in `reward_s`, not as decoding."""
         self.trace.span(REWARD_TRACK, f"score {samples}", start_us, end_us, samples=samples)
-        seconds = (end_us - start_us) / 1e6
-        self.counters["reward_s"] += seconds
-        self.idle_wait(seconds)
+        self.counters["reward_s"] += (end_us - start_us) / 1e6
 
-    def iteration_metrics(self) -> dict[str, float]:
-        total = max(self.total_time, 1e-12)
+    def iteration_metrics(self, wall_seconds: float) -> dict[str, float]:
+        """The metrics of an iteration that took `wall_seconds`, since the last `reset`."""
         n = len(self.num_slots)
         capacity = [self.num_slots[i] * self.busy_time[i] for i in range(n)]
         occupancy = [self.busy_slot_time[i] / max(capacity[i], 1e-12) for i in range(n)]
         m = {f"slot_occupancy/instance{i}": occupancy[i] for i in range(n)}
         m["slot_occupancy"] = sum(self.busy_slot_time) / max(sum(capacity), 1e-12)
-        m["bubble_fraction"] = 1.0 - sum(self.busy_time) / (n * total)
+        m["bubble_fraction"] = max(1.0 - sum(self.busy_time) / (n * max(wall_seconds, 1e-12)), 0)
         m["rollout_time_s"] = self.rollout_time
         m.update({k: float(v) for k, v in self.counters.items()})
         return m

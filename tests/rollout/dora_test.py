@@ -193,6 +193,32 @@ def test_a_turns_finished_samples_are_scored_in_one_call_each_with_its_own_rewar
     assert trained and all(e["reward"] == e["response_length"] % 2 for e in trained)
 
 
+def test_weight_moves_count_in_the_bubble(tmp_path, monkeypatch):
+    """Engines wait while the controller moves weights: that time was counted as neither
+    decoding nor idle, so a run spending most of its time in slow moves showed a small bubble.
+    The instances' decoding time the metrics imply must fit in the wall time the moves left."""
+    rollout, _, _ = make_rollout(
+        str(tmp_path), mode="dora", num_instances=3, slots=4, group_size=2, train_batch_size=4,
+        rollout_batch_size=12, staleness_bound=2, num_iterations=4, timer_steps=4,
+    )  # fmt: skip
+    moving = []
+    load = runner_lib.RolloutInstance.load
+
+    def slow_load(self, version, state):
+        t0 = time.perf_counter()
+        time.sleep(0.05)
+        result = load(self, version, state)
+        moving.append(time.perf_counter() - t0)
+        return result
+
+    monkeypatch.setattr(runner_lib.RolloutInstance, "load", slow_load)
+    metrics = rollout.run()
+    assert len(moving) >= 3
+    wall = sum(m["iteration_time_s"] for m in metrics)
+    decoding = sum((1 - m["bubble_fraction"]) * 3 * m["iteration_time_s"] for m in metrics)
+    assert decoding <= 3 * (wall - sum(moving)) * 1.05 + 0.01
+
+
 def test_kv_pressure_triggers_against_the_cache_each_slot_holds(tmp_path):
     """The trigger compares an instance's KV positions with what its cache holds: slots x
     `cache_length`. It used prefill room plus decode room, which the bench's and `partial`'s

@@ -20,13 +20,13 @@ turn = st.tuples(st.floats(0.001, 1.0), three(busy_steps), three(st.integers(0, 
 
 @settings(max_examples=50, deadline=None)
 @given(st.lists(turn, min_size=1, max_size=30), st.floats(0.0, 5.0), three(st.integers(1, 8)))
-def test_occupancy_is_per_decoding_time_and_bubbles_count_every_wait(turns, wait, slots):
+def test_occupancy_is_per_decoding_time_and_the_bubble_is_the_rest_of_the_wall(turns, wait, slots):
     telemetry = Telemetry(slots, TraceWriter("t"))
     for seconds, busy, lags in turns:
         capped = [[min(b, n) for b in steps] for steps, n in zip(busy, slots, strict=True)]
         telemetry.decode_turn(capped, seconds, lags)
-    telemetry.idle_wait(wait)
-    m = telemetry.iteration_metrics()
+    wall = sum(s for s, _, _ in turns) + wait  # `wait`: no instance decoding
+    m = telemetry.iteration_metrics(wall)
 
     # Brute force, turn by turn, step by step, instance by instance: a turn's time is split
     # evenly over its longest run of steps.
@@ -46,7 +46,6 @@ def test_occupancy_is_per_decoding_time_and_bubbles_count_every_wait(turns, wait
                 filled[i] += b * seconds / longest
                 capacity[i] += slots[i] * seconds / longest
                 decoding[i] += seconds / longest
-    wall = sum(s for s, _, _ in turns) + wait
     for i in range(3):
         want = filled[i] / capacity[i] if capacity[i] else 0.0
         assert np.isclose(m[f"slot_occupancy/instance{i}"], want)
