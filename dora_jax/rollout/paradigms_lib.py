@@ -141,8 +141,11 @@ class Dora(Paradigm):
         for m in plan.migrations:
             r.migrate(r.instances[m.src], m.src_slot, r.instances[m.dst], m.dst_slot)
         for move in plan.weight_moves:
+            x = r.instances[move.instance]
+            if x.active():  # a migration off it failed, taking out its destination: `x`
+                continue  # keeps its version and requests, and the next trigger replans
             source = None if move.source is None else r.instances[move.source]
-            r.load(r.instances[move.instance], move.version, source)
+            r.load(x, move.version, source)
 
     def fill_spare(self, r: Rollout) -> None:
         """Spare slots of instances hosting older live versions take new groups for them,

@@ -165,7 +165,7 @@ class Rollout:
         self._receive_all()
 
     def _plan_and_decode(self) -> None:
-        progress = (self.totals["prefills"], self.selected)
+        progress = self._progress()
         triggers: set[str] = set()
         if self._jobs and (self._publish_now or self.clock.version_due(self._jobs[0].handed_tick)):
             self._take_up()
@@ -201,12 +201,17 @@ class Rollout:
             return
         if self._jobs:
             self._publish_now = True
-        elif progress == (self.totals["prefills"], self.selected):
+        elif progress == self._progress():
             raise RuntimeError(
                 f"rollout stalled at step {self.clock.tick}: {self.selected} batches selected, "
                 f"live versions {self.window.live()}, outstanding {self.outstanding()}"
             )
         self.clock.advance(1)
+
+    def _progress(self) -> tuple[int, int, int]:
+        """What a turn that neither decodes nor waits for the trainer must change, or the run
+        has stalled. An instance taken out counts: its requeued work goes to another next turn."""
+        return (self.totals["prefills"], self.selected, self.totals["failed_instances"])
 
     def healthy(self) -> list[RolloutInstance]:
         return [x for x in self.instances if x.healthy]

@@ -193,6 +193,32 @@ def test_a_turns_finished_samples_are_scored_in_one_call_each_with_its_own_rewar
     assert trained and all(e["reward"] == e["response_length"] % 2 for e in trained)
 
 
+def test_a_failed_migration_takes_out_its_destination_only(tmp_path):
+    """When a migration's destination raised, its source kept the requests the plan had moved
+    off it, and the plan's weight move then reloaded the source under them: the healthy source
+    was taken out too (with two instances, the run ended with none left)."""
+    for seed in range(5, 8):
+        workdir = tmp_path / f"seed{seed}"
+        rollout, _, engines = make_rollout(
+            str(workdir), mode="dora", num_instances=2, slots=4, group_size=4,
+            train_batch_size=8, rollout_batch_size=24, staleness_bound=2, num_iterations=6,
+            median_length=6, max_length=120, timer_steps=4, seed=seed,
+        )  # fmt: skip
+        imports = []
+
+        def unreachable(*args, imports=imports, **kwargs):
+            imports.append(args)
+            raise RuntimeError("injected: instance 1 cannot import a slot")
+
+        engines[1].import_slot = unreachable
+        rollout.run()
+        assert imports, "no migration to instance 1 was tried: the test needs another seed"
+        assert [x.index for x in rollout.healthy()] == [0]
+        assert rollout.totals["failed_instances"] == 1
+        report = audit_lib.audit(str(workdir))
+        assert report.passed, report.format()
+
+
 def test_weight_moves_count_in_the_bubble(tmp_path, monkeypatch):
     """Engines wait while the controller moves weights: that time was counted as neither
     decoding nor idle, so a run spending most of its time in slow moves showed a small bubble.

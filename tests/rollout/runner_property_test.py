@@ -194,6 +194,33 @@ def test_failed_instance_requests_are_regenerated(tmp_path_factory, setup, fail_
         assert sum(n - 1 for n in counts.values()) + waiting == rollout.totals["requeued"]
 
 
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "partial", "dora"])
+def test_an_admission_that_raises_at_dispatch_does_not_stall_the_run(tmp_path, mode):
+    """A dead generation host raises on its first call. When the turn's whole admission went
+    to it, the turn made no progress by the stall detector's count (no prefill, no batch)
+    although the other instance could take the requeued work next turn: the run ended with
+    "rollout stalled"."""
+    workdir = str(tmp_path)
+    rollout, trainer, engines = make_rollout(
+        workdir, mode=mode, num_instances=2, slots=4, group_size=4, train_batch_size=4,
+        rollout_batch_size=4, staleness_bound=1, num_iterations=3,
+    )  # fmt: skip
+    admit = engines[0].admit
+
+    def dead_on_first_call(*args, **kwargs):
+        if engines[0].prefill_calls == 0:
+            raise RuntimeError("injected: generation host unreachable")
+        return admit(*args, **kwargs)
+
+    engines[0].admit = dead_on_first_call
+    rollout.run()
+    assert rollout.totals["failed_instances"] == 1 and not rollout.instances[0].healthy
+    report = audit_lib.audit(workdir)
+    assert report.rules["C2"] and report.rules["C3"], report.format()
+    assert sum(e["event"] == "train" for e in ledger_lib.read(workdir)) == 3 * 4
+    _assert_every_sample_is_somewhere_once(rollout, trainer, workdir)
+
+
 def test_partial_breaks_c1_when_an_update_lands_mid_trajectory(tmp_path):
     rollout, trainer, _ = make_rollout(
         str(tmp_path),
