@@ -176,20 +176,35 @@ def audit_events(events: list[dict[str, Any]]) -> AuditReport:
         if g is not None and sorted(idx) != list(range(g)) and it != cut:
             problems["C2"].append(f"iteration {it}: group {pid} trained incomplete ({sorted(idx)})")
 
-    # C3: bounded staleness and exactly TBS per iteration.
+    # C3: bounded staleness and exactly TBS per iteration. Staleness is only as true as the
+    # versions it is computed from: the trainer's must be its iteration's (it trains version i
+    # into i + 1), and the sample's the one its last dispatch started it under.
+    started_under = {(e["prompt_id"], e["sample_index"]): e["version"] for e in dispatches}
     hist = collections.Counter()
     for e in trains:
+        name = f"sample {e['prompt_id']}/{e['sample_index']}"
         s = e["trainer_version"] - e["version"]
         hist[s] += 1
         if s != e["staleness"]:
-            problems["C3"].append(f"sample {e['prompt_id']}/{e['sample_index']}: bad staleness")
-        if k is not None and not 0 <= s <= k:
+            problems["C3"].append(f"{name}: bad staleness")
+        if e["trainer_version"] != e["iteration"]:
             problems["C3"].append(
-                f"sample {e['prompt_id']}/{e['sample_index']} trained at staleness {s} > K={k}"
+                f"{name}: trained in iteration {e['iteration']} by trainer version "
+                f"{e['trainer_version']}"
             )
+        dispatched_as = started_under.get((e["prompt_id"], e["sample_index"]))
+        if dispatched_as is not None and dispatched_as != e["version"]:
+            problems["C3"].append(
+                f"{name}: trained as version {e['version']}, dispatched under {dispatched_as}"
+            )
+        if k is not None and not 0 <= s <= k:
+            problems["C3"].append(f"{name} trained at staleness {s} > K={k}")
     for it, n in sorted(per_iter.items()):
         if tbs is not None and n != tbs and it != cut:
             problems["C3"].append(f"iteration {it} trained {n} samples, TBS={tbs}")
+    skipped = sorted(set(range(max(per_iter, default=-1) + 1)) - set(per_iter))
+    if skipped:
+        problems["C3"].append(f"iterations {skipped} trained no samples")
 
     # completed: the run stopped on its own, after every iteration it was asked for.
     stopped = end.get("stopped", ledger_lib.COMPLETED)

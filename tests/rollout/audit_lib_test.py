@@ -85,6 +85,12 @@ def test_dispatched_lengths_count_the_unfinished_at_their_length_so_far(tmp_path
     assert "dispatched (unfinished: so far) samples: n=6 mean=42.0 p50=8.0" in report.format()
 
 
+def _skip_iteration_1(events):
+    """Iteration 1's batch trained as iteration 2 (staleness 2, within a bound of 2)."""
+    events[0]["staleness_bound"] = 2
+    events[-3:-1] = [_train(1, 0, 0, 2, 10), _train(1, 1, 0, 2, 6)]
+
+
 @pytest.mark.parametrize(
     "mutate, rule",
     [
@@ -94,6 +100,10 @@ def test_dispatched_lengths_count_the_unfinished_at_their_length_so_far(tmp_path
         (lambda ev: ev.__setitem__(-2, _train(1, 1, 0, 0)), "C2"),  # group split over iters
         (lambda ev: ev.__setitem__(-2, _train(1, 1, -1, 1)), "C3"),  # staleness 2 > K = 1
         (lambda ev: ev.__setitem__(-2, _train(1, 1, 0, 1, first=0, last=1)), "C1"),
+        # The versions staleness is computed from must be true, not just agree with it:
+        (lambda ev: ev[-2].update(trainer_version=0, staleness=0), "C3"),  # iteration 1's
+        (lambda ev: ev.__setitem__(-2, _train(1, 1, 1, 1)), "C3"),  # dispatched under 0
+        (_skip_iteration_1, "C3"),
     ],
 )
 def test_each_violation_is_caught(tmp_path, mutate, rule):
