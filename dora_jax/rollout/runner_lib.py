@@ -193,6 +193,7 @@ class Rollout:
             triggers.add("idle")
         self._rehome_orphans()
         self.paradigm.rebalance(self, triggers)
+        self._retire()  # the versions instances left
         if self.selected < self.config.num_iterations and not self._draining:
             self.paradigm.fill_spare(self)
         self._admit()
@@ -586,14 +587,20 @@ class Rollout:
         return waited
 
     def _retire(self) -> None:
-        """Frees the params of versions that left the window (all their samples trained)."""
+        """Frees the params of versions that left the window (all their samples trained), and
+        the trainer's copy of an older version no instance will load from it: one an instance
+        holds (a load copies from there) or one with no work waiting (nothing is dispatched
+        under an older version but to the instances that hold it)."""
         live = set(self.window.live())
         for x in self.healthy():
             if x.version is not None and x.version not in live and not x.active():
                 x.unload()
         held = {x.version for x in self.healthy()}
         for version in list(self.staged):
-            if version not in live or (version in held and version != self.window.newest):
+            older = version != self.window.newest
+            if version not in live or (
+                older and (version in held or not self.pending.get(version))
+            ):
                 del self.staged[version]
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import itertools
 import json
 import time
 
+import pytest
 from rollout_harness import make_rollout
 
 from dora_jax.rollout import audit_lib, ledger_lib, runner_lib
@@ -217,6 +218,33 @@ def test_a_failed_migration_takes_out_its_destination_only(tmp_path):
         assert rollout.totals["failed_instances"] == 1
         report = audit_lib.audit(str(workdir))
         assert report.passed, report.format()
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "partial", "dora"])
+def test_the_trainers_copy_of_an_older_version_is_kept_only_while_a_load_may_need_it(
+    tmp_path, mode
+):
+    """Each copy is a whole policy on an instance's devices. dora kept the trainer's copy of
+    every live version until it retired, though once no instance holds it and no work waits
+    for it nothing loads it again (work not started is moved to the newest version)."""
+    rollout, _, _ = make_rollout(
+        str(tmp_path), mode=mode, num_instances=4, slots=4, group_size=4, train_batch_size=8,
+        rollout_batch_size=24, staleness_bound=3, num_iterations=8, median_length=6,
+        max_length=120, timer_steps=4,
+    )  # fmt: skip
+    turn = rollout._turn
+
+    def checked_turn():
+        turn()
+        held = {x.version for x in rollout.healthy()}
+        for v in rollout.staged:
+            if v != rollout.window.newest:
+                assert v not in held and rollout.pending.get(v), (v, held)
+
+    rollout._turn = checked_turn
+    rollout.run()
+    report = audit_lib.audit(str(tmp_path))
+    assert report.rules["C2"] and report.rules["C3"], report.format()
 
 
 def test_weight_moves_count_in_the_bubble(tmp_path, monkeypatch):
