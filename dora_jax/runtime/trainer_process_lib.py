@@ -198,10 +198,12 @@ def _serve(conn: Any, spec: TrainerSpec) -> None:
 
 
 def _report(conn: Any, error: Exception) -> None:
-    """Sends an error to the parent: the exception itself if it pickles, else its text."""
+    """Sends an error to the parent: the exception itself if it survives pickling both ways,
+    else its text (an exception whose `__init__` takes other arguments than its `args` pickles
+    but fails to unpickle, which the parent would see as a TypeError in its own `recv`)."""
     text = traceback.format_exc()
     try:
-        pickle.dumps(error)
+        pickle.loads(pickle.dumps(error))
     except Exception:  # noqa: BLE001 - any pickling failure: send what can be sent
         error = RuntimeError(f"{type(error).__name__}: {error}")
     conn.send((False, (error, text)))

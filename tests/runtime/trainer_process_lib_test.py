@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import signal
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from dora_jax.models import sharding_lib
+from dora_jax.runtime import trainer_process_lib
 from dora_jax.runtime.trainer_process_lib import TrainerProcess, TrainerSpec
 from dora_jax.train import TrainConfig, Trainer
 from tests.train.train_fixtures import TINY, random_batch, tiny_model
@@ -79,6 +81,25 @@ def test_an_error_in_the_child_is_raised_with_its_type_and_the_child_goes_on(chi
     version = child.version
     child.step(random_batch(np.random.RandomState(2), 2, 4, version=version))
     assert child.publish().version == version + 1
+
+
+class _LossError(ValueError):  # a user's loss's own error type: its __init__ is not its args
+    def __init__(self, name, value):
+        super().__init__(f"loss {name} is {value}")
+
+
+def test_an_error_that_does_not_unpickle_reaches_the_parent_as_its_text():
+    """It pickled, so it was sent as it was, and the parent's `recv` raised a TypeError from
+    unpickling it: the trainer's real error and its traceback were lost."""
+    parent, child = multiprocessing.Pipe()
+    try:
+        raise _LossError("grpo", float("nan"))
+    except _LossError as e:
+        trainer_process_lib._report(child, e)
+    ok, (error, child_traceback) = parent.recv()
+    assert not ok and isinstance(error, RuntimeError)
+    assert str(error) == "_LossError: loss grpo is nan"
+    assert "raise _LossError" in child_traceback
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin apart")
