@@ -167,3 +167,16 @@ def _pad(
     padded_rows = np.full(b, -1, np.int32)
     padded_rows[: len(rows)] = rows
     return MicroBatch(tokens, positions, targets, mask, behaviour, padded_rows)
+
+
+def token_versions(mb: MicroBatch, samples: Sequence[Trajectory]) -> np.ndarray:
+    """int32 [B, T]: the version that sampled each target of `mb`, laid out as `_pad` lays out
+    the behaviour log-probs (other positions, masked out, read their row's version). One version
+    per row unless C1 is broken: `partial` continues a request under each new version."""
+    versions = np.empty(mb.mask.shape, np.int32)
+    for i, r in enumerate(mb.samples):
+        t = samples[r]
+        p = len(t.prompt_tokens)
+        versions[i] = t.version
+        versions[i, p - 1 : p - 1 + len(t.token_versions)] = t.token_versions
+    return versions

@@ -503,7 +503,9 @@ class Trainer:
                 targets,
             )
         if self.config.tis_cap is not None:
-            versions = np.asarray([samples[r].version for r in mb.samples])
+            # Each token against the params of the version that sampled it: a `partial`
+            # trajectory's tokens come from several (`Trajectory.token_versions`).
+            versions = batch_lib.token_versions(mb, samples)
             train_logp = jnp.zeros(mask.shape, jnp.float32)
             for v in np.unique(versions):
                 if int(v) not in self._history:
@@ -516,7 +518,7 @@ class Trainer:
                     positions,
                     targets,
                 )
-                train_logp = jnp.where(jnp.asarray(versions == v)[:, None], logp_v, train_logp)
+                train_logp = jnp.where(jnp.asarray(versions == v), logp_v, train_logp)
             inputs["train_behaviour_logp"] = train_logp
         return inputs
 

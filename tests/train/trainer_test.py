@@ -585,6 +585,28 @@ def test_truncated_importance_sampling_uses_the_behaviour_versions_params():
         trainer.step(stale)  # staleness 2 now
 
 
+def test_tis_weighs_each_token_against_the_version_that_sampled_it():
+    """`partial` continues a request under each new version, so one trajectory's tokens come
+    from several versions (`token_versions`). TIS took every token's training-side log-prob
+    from the first token's version: on the later tokens its weight measured two policies'
+    difference, not the engine's mismatch. Here the behaviour log-probs are exactly each
+    token's own version's, so every weight is 1 and a cap just above 1 must never act."""
+    config = dataclasses.replace(BASE, learning_rate=5e-2, tis_cap=1.01, max_staleness=1)
+    trainer = Trainer(tiny_model(), config, MESH)
+    rng = np.random.RandomState(13)
+    batch = random_batch(rng, 2, 4, version=0, max_response=12)
+    v0_logp = trainer.logprobs(batch)
+    trainer.step(_with_behaviour(trainer, random_batch(rng, 2, 4)))
+    trainer.publish()
+    v1_logp = trainer.logprobs(batch)
+    assert max(np.abs(a - b).max() for a, b in zip(v0_logp, v1_logp, strict=True)) > 0.1
+    for t, a, b in zip(batch, v0_logp, v1_logp, strict=True):
+        half = len(t.response_tokens) // 2  # interrupted here, continued under version 1
+        t.token_versions = np.asarray([0] * half + [1] * (len(a) - half), np.int32)
+        t.behaviour_logprobs = np.concatenate([a[:half], b[half:]])
+    assert trainer.step(batch)["tis_fraction"] == 0
+
+
 @pytest.mark.parametrize("max_staleness", [1, 2])
 def test_a_restored_trainer_keeps_tis_past_versions(max_staleness):
     """A checkpoint barrier leaves samples of versions up to K old in the queue, and TIS weighs
