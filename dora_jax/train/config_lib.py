@@ -67,6 +67,10 @@ class TrainConfig:
     loss: str = "ppo_clip"  # a name in loss_lib's registry
     eps_low: float = 0.2  # ppo_clip / gspo: ratio lower bound 1 - eps_low
     eps_high: float = 0.28  # ppo_clip / gspo: ratio upper bound 1 + eps_high (DAPO clip-higher)
+    # ppo_clip, A < 0: the objective is at least clip_ratio_c * A (dual clip, verl's default 3):
+    # a token the policy now favours far more than its stale sampler did cannot dominate the
+    # update. None = off.
+    clip_ratio_c: float | None = 3.0
     eps_neg_low: float = 0.2  # triplet, A < 0: lower bound 1 - eps_neg_low
     eps_neg_high: float = 2.0  # triplet, A < 0: upper bound 1 + eps_neg_high (dual clip)
     eps_pos_high: float = 0.28  # triplet, A > 0: upper bound 1 + eps_pos_high
@@ -143,6 +147,8 @@ class TrainConfig:
             _fail("loss", f"{self.loss!r} is not one of {sorted(loss_lib.LOSSES)}")
         if self.eps_low >= 1.0 or self.eps_neg_low >= 1.0:
             _fail("eps_low", f"eps_low={self.eps_low}, eps_neg_low={self.eps_neg_low} must be < 1")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            _fail("clip_ratio_c", f"{self.clip_ratio_c} must be > 1 (or None)")
         if self.tis_cap is not None and self.tis_cap <= 0:
             _fail("tis_cap", f"{self.tis_cap} must be positive (or None)")
         if self.max_staleness is not None and self.max_staleness < 0:

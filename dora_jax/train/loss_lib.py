@@ -38,6 +38,12 @@ LossFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], PolicyTerms
 
 LOSSES: dict[str, LossFn] = {}
 
+# Bounds that keep one token's extreme numbers from overflowing the loss, as verl's: a log
+# ratio past +-20 (exp overflows float32 near 88, and an inf with A < 0 skips the whole update),
+# and a k3 KL term past 10 (its gradient grows as exp(ref - logp)).
+LOG_RATIO_BOUND = 20.0
+KL_BOUND = 10.0
+
 
 def register_loss(name: str) -> Callable[[LossFn], LossFn]:
     """Decorator: makes `fn` selectable as `TrainConfig(loss=name)`."""
@@ -55,9 +61,16 @@ def register_loss(name: str) -> Callable[[LossFn], LossFn]:
 def ppo_clip(
     logp: jax.Array, old_logp: jax.Array, adv: jax.Array, mask: jax.Array, config: Any
 ) -> PolicyTerms:
-    """PPO clipped surrogate with separate bounds [1 - eps_low, 1 + eps_high] (DAPO)."""
+    """PPO clipped surrogate with separate bounds [1 - eps_low, 1 + eps_high] (DAPO), and for
+    A < 0 the dual clip's floor `clip_ratio_c * A` (Ye et al. 2020, verl's `clip_ratio_c`)."""
     del mask
-    return _clipped_surrogate(jnp.exp(logp - old_logp), adv, config)
+    terms = _clipped_surrogate(_ratio(logp, old_logp), adv, config)
+    c = config.clip_ratio_c
+    if c is None:
+        return terms
+    floored = (adv < 0) & (terms.objective < c * adv)
+    objective = jnp.where(floored, c * adv, terms.objective)
+    return PolicyTerms(objective, terms.ratio, {**terms.clipped, "clip_dual": floored})
 
 
 @register_loss("triplet")
@@ -68,7 +81,7 @@ def triplet(
     (the upper bound is dual-clip: a huge ratio on a bad token cannot blow up the update);
     A > 0 caps it at 1 + eps_pos_high."""
     del mask
-    ratio = jnp.exp(logp - old_logp)
+    ratio = _ratio(logp, old_logp)
     neg_low, neg_high = 1.0 - config.eps_neg_low, 1.0 + config.eps_neg_high
     pos_high = 1.0 + config.eps_pos_high
     objective = jnp.where(
@@ -90,9 +103,14 @@ def gspo(
     s = exp(mean_t(logp - old_logp)); each token carries sg(s) * exp(logp - sg(logp)), equal to
     s in value, so with seq_mean_token_mean aggregation the gradient is exactly GSPO's."""
     n = jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
-    seq_ratio = jnp.exp(((logp - old_logp) * mask).sum(axis=1, keepdims=True) / n)
+    seq_log_ratio = ((logp - old_logp) * mask).sum(axis=1, keepdims=True) / n
+    seq_ratio = jnp.exp(jnp.clip(seq_log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     ratio = jax.lax.stop_gradient(seq_ratio) * jnp.exp(logp - jax.lax.stop_gradient(logp))
     return _clipped_surrogate(ratio, adv, config)
+
+
+def _ratio(logp: jax.Array, old_logp: jax.Array) -> jax.Array:
+    return jnp.exp(jnp.clip(logp - old_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 def _clipped_surrogate(ratio: jax.Array, adv: jax.Array, config: Any) -> PolicyTerms:
@@ -105,9 +123,10 @@ def _clipped_surrogate(ratio: jax.Array, adv: jax.Array, config: Any) -> PolicyT
 
 
 def k3_kl(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
-    """Schulman's k3 estimator of KL(pi || ref): exp(d) - d - 1 with d = ref - logp; >= 0."""
+    """Schulman's k3 estimator of KL(pi || ref): exp(d) - d - 1 with d = ref - logp, in
+    [0, KL_BOUND] (verl's low_var_kl)."""
     d = ref_logp - logp
-    return jnp.exp(d) - d - 1.0
+    return jnp.minimum(jnp.exp(d) - d - 1.0, KL_BOUND)
 
 
 def token_logprobs(

@@ -38,6 +38,7 @@ def test_from_config_dict():
         ({"learning_rate": 0.0}, "learning_rate"),
         ({"max_grad_norm": 0.0}, "max_grad_norm"),
         ({"eps_low": 1.0}, "eps_low"),
+        ({"clip_ratio_c": 1.0}, "clip_ratio_c"),  # a floor at or above the surrogate
         ({"advantage": "rloo", "tbs": 4, "group_size": 1}, "group_size"),
         ({"advantage": "grpo", "tbs": 4, "group_size": 1}, "group_size"),  # no signal at all
     ],
@@ -55,7 +56,8 @@ _OVERRIDES = {
     "weight_decay": 0.01, "adam_b1": 0.8, "adam_b2": 0.99, "adam_eps": 1e-6,
     "max_grad_norm": 0.5, "advantage": "rloo", "advantage_eps": 1e-5, "loss": "gspo",
     "eps_low": 0.1, "eps_high": 0.3, "eps_neg_low": 0.3, "eps_neg_high": 3.0,
-    "eps_pos_high": 0.4, "tis_cap": 2.0, "kl_coef": 0.05, "aggregation": "seq_sum_over_const",
+    "eps_pos_high": 0.4, "clip_ratio_c": 5.0, "tis_cap": 2.0, "kl_coef": 0.05,
+    "aggregation": "seq_sum_over_const",
     "t_max": 512, "mask_truncated": True, "max_skipped_steps": 3, "remat": "dots",
     "entropy_coef": 0.01,
 }  # fmt: skip

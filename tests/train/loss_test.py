@@ -16,20 +16,28 @@ from dora_jax.train import TrainConfig, loss_lib
 CFG = dict(eps_low=0.2, eps_high=0.28, eps_neg_low=0.1, eps_neg_high=0.5, eps_pos_high=0.3)
 
 
+def _bounded_exp(log_ratio):
+    """verl's bound on a log ratio before exp: +-20."""
+    return math.exp(min(max(log_ratio, -20.0), 20.0))
+
+
 def _objective(name, lp, old, a, row_lp, row_old, row_mask, c):
     """One token's objective, written out from the papers' formulas."""
     if name == "gspo":
         n = max(sum(row_mask), 1)
         deltas = zip(row_lp, row_old, row_mask, strict=True)
-        r = math.exp(sum(m * (x - y) for x, y, m in deltas) / n)
+        r = _bounded_exp(sum(m * (float(x) - float(y)) for x, y, m in deltas) / n)
     else:
-        r = math.exp(lp - old)
+        r = _bounded_exp(float(lp) - float(old))
     if name == "triplet":
         if a < 0:
             return a * min(max(r, 1 - c.eps_neg_low), 1 + c.eps_neg_high), r
         return a * min(r, 1 + c.eps_pos_high), r
     clipped = min(max(r, 1 - c.eps_low), 1 + c.eps_high)
-    return min(r * a, clipped * a), r
+    objective = min(r * a, clipped * a)
+    if name == "ppo_clip" and a < 0 and c.clip_ratio_c is not None:  # dual clip
+        objective = max(objective, c.clip_ratio_c * a)
+    return objective, r
 
 
 def _reference(logp, beh, adv, mask, c, train_beh, ref):
@@ -46,8 +54,8 @@ def _reference(logp, beh, adv, mask, c, train_beh, ref):
             if train_beh is not None:
                 loss *= min(math.exp(train_beh[i, j] - beh[i, j]), c.tis_cap)
             if ref is not None:
-                d = ref[i, j] - logp[i, j]
-                loss += c.kl_coef * (math.exp(d) - d - 1)
+                d = float(ref[i, j]) - float(logp[i, j])
+                loss += c.kl_coef * min(math.exp(d) - d - 1, 10.0)  # k3, bounded as verl's
             losses.append(loss)
         per_row.append(losses)
     rows = [r for r in per_row if r]
@@ -70,6 +78,9 @@ def _case(draw):
     beh = (logp + rng.uniform(-0.6, 0.6, (b, t)) * rng.uniform(0, 1, (b, 1))).astype(np.float32)
     adv = rng.uniform(-2, 2, b).astype(np.float32)
     mask = (rng.uniform(size=(b, t)) < draw(st.sampled_from([0.5, 0.9, 1.0]))).astype(np.float32)
+    if draw(st.booleans()):  # a few extreme tokens: past the dual clip and the ratio's bound
+        far = rng.uniform(size=(b, t)) < 0.3
+        beh = np.where(far, logp - rng.choice([2.0, 25.0], (b, t)), beh).astype(np.float32)
     tis = draw(st.booleans())
     kl = draw(st.booleans())
     config = TrainConfig(
@@ -81,10 +92,11 @@ def _case(draw):
         tis_cap=2.0 if tis else None,
         max_staleness=4,
         kl_coef=0.05 if kl else 0.0,
+        clip_ratio_c=draw(st.sampled_from([None, 3.0, 1.5])),
         **CFG,
     )
     train_beh = (beh + rng.normal(0, 0.5, (b, t))).astype(np.float32) if tis else None
-    ref = (logp + rng.normal(0, 0.5, (b, t))).astype(np.float32) if kl else None
+    ref = (logp + rng.normal(0, 2.0, (b, t))).astype(np.float32) if kl else None  # k3 past 10
     return logp, beh, adv, mask, config, train_beh, ref
 
 
@@ -129,7 +141,11 @@ def test_clip_counts_match_reference(case):
     _, sums = _loss(*case)
     old = beh if train_beh is None else train_beh
     bounds = {
-        "ppo_clip": {"clip_low": (-1, 1 - config.eps_low), "clip_high": (1, 1 + config.eps_high)},
+        "ppo_clip": {
+            "clip_low": (-1, 1 - config.eps_low),
+            "clip_high": (1, 1 + config.eps_high),
+            **({} if config.clip_ratio_c is None else {"clip_dual": (-2, config.clip_ratio_c)}),
+        },
         "gspo": {"clip_low": (-1, 1 - config.eps_low), "clip_high": (1, 1 + config.eps_high)},
         "triplet": {
             "clip_neg_low": (-1, 1 - config.eps_neg_low),
