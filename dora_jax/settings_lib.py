@@ -484,24 +484,40 @@ _ADDED_FIELDS: dict[str, Any] = {
 }
 
 
+# Fields naming files (comma-separated lists for data): a run is defined by the files, not by
+# how a command spelled them, so a job relaunched from another directory, or naming them by an
+# absolute path, continues.
+_PATH_FIELDS = ("model.checkpoint", "data.train_files", "data.heldout_files")
+
+
 def _comparable(name: str, value: Any) -> Any:
     """A run-defining value as it defines the run: LoRA's targets are a set of projections,
-    so `"v_proj,q_proj"` continues a run saved with `"q_proj, v_proj"`."""
+    so `"v_proj,q_proj"` continues a run saved with `"q_proj, v_proj"`; paths are resolved
+    (saved ones already are, but for checkpoints from before)."""
     if name == "model.lora_targets" and isinstance(value, str):
         return sorted({t.strip() for t in value.split(",")})
+    if name in _PATH_FIELDS and isinstance(value, str):
+        return ",".join(os.path.realpath(path) for path in file_list(value))
     return value
+
+
+def _unused(config: ml_collections.ConfigDict) -> set[str]:
+    """Fields the config holds that do not define this run: with `model.checkpoint` set, the
+    shape fields (the checkpoint's config.json gives the shape)."""
+    return {f"model.{f}" for f in MODEL_SHAPE_FIELDS} if config.model.checkpoint else set()
 
 
 def run_defining_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The config's fields as {"section.field": value} (JSON values), less those a resumed
-    run may change: saved with each checkpoint, compared on resume."""
+    run may change and those it does not use: saved with each checkpoint, compared on resume."""
     flat = {}
+    unused = _unused(config)
     for key, value in json.loads(config.to_json()).items():
         items = value.items() if isinstance(value, dict) else [(None, value)]
         for field, v in items:
             name = key if field is None else f"{key}.{field}"
-            if not name.startswith(_RESUMABLE_CHANGES):
-                flat[name] = v
+            if not (name.startswith(_RESUMABLE_CHANGES) or name in unused):
+                flat[name] = _comparable(name, v) if name in _PATH_FIELDS else v
     return flat
 
 
@@ -519,7 +535,8 @@ def check_same_run(
     saved (`saved` None) are not checked."""
     if saved is None:
         return
-    saved = {**_ADDED_FIELDS, **saved}
+    unused = _unused(config)
+    saved = {k: v for k, v in {**_ADDED_FIELDS, **saved}.items() if k not in unused}
     now = run_defining_fields(config)
     differ = sorted(
         k

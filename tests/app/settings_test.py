@@ -159,6 +159,41 @@ def test_stating_what_the_architecture_implies_is_the_same_run(tmp_path):
     settings_lib.check_same_run(older, default.get_config(), str(tmp_path), prefixes=("model.",))
 
 
+def test_a_run_is_the_same_whichever_way_its_files_are_named(tmp_path, monkeypatch):
+    """Paths were compared as typed: a preempted job relaunched from another directory, or
+    naming its data by an absolute path, was refused as "another config"."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "train.jsonl").write_text("")
+    config = default.get_config()
+    monkeypatch.chdir(tmp_path)
+    config.model.checkpoint, config.data.train_files = "./model", "train.jsonl, ./train.jsonl"
+    saved = settings_lib.run_defining_fields(config)
+    monkeypatch.chdir("/")
+    config.model.checkpoint = str(tmp_path / "model")
+    config.data.train_files = f"{tmp_path}/train.jsonl,{tmp_path}/../{tmp_path.name}/train.jsonl"
+    settings_lib.check_same_run(saved, config, str(tmp_path))
+    config.data.train_files = f"{tmp_path}/train.jsonl"  # one file fewer is another run
+    with pytest.raises(ValueError, match=r"data\.train_files: "):
+        settings_lib.check_same_run(saved, config, str(tmp_path))
+
+
+def test_shape_fields_a_checkpoint_overrides_do_not_define_the_run(tmp_path):
+    """With `model.checkpoint` set the shape comes from its config.json, and the config's
+    shape fields are not used; they still had to match on resume, so a run started with a
+    stray `--config.model.num_layers=8` could not be continued without it."""
+    config = default.get_config()
+    config.model.checkpoint = str(tmp_path)
+    config.model.num_layers = 8
+    saved = settings_lib.run_defining_fields(config)
+    assert "model.num_layers" not in saved and "model.checkpoint" in saved
+    config.model.num_layers = 2
+    settings_lib.check_same_run(saved, config, str(tmp_path))
+    settings_lib.check_same_run({**saved, "model.num_layers": 8}, config, str(tmp_path))  # older
+    config.model.checkpoint = ""  # a random init: the shape is the run's
+    with pytest.raises(ValueError, match=r"model\.checkpoint: "):
+        settings_lib.check_same_run(saved, config, str(tmp_path))
+
+
 def test_a_max_prompt_len_too_short_for_the_builtin_task_is_refused_at_start():
     config = default.get_config()
     config.data.max_prompt_len = 6  # "s+d>t=": six characters, a token each
