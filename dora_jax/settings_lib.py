@@ -235,7 +235,8 @@ def _validate(config: ml_collections.ConfigDict) -> Settings:
 
 
 def check_inputs(config: ml_collections.ConfigDict) -> None:
-    """Refuses a run whose `model.checkpoint` is no model directory, before it writes anything:
+    """Refuses a run whose `model.checkpoint` is no model directory, or one whose positions its
+    prompts and responses would exceed, before it writes anything:
     a valid config may name a directory of another machine (a recipe's), so `validate` cannot.
     Data files are refused by field where they are opened (`task_lib.load_task`), also before
     the workdir is made."""
@@ -246,6 +247,16 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"model.checkpoint={checkpoint!r}: not a Hugging Face model directory "
             "(it has no config.json)"
+        )
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        positions = json.load(f).get("max_position_embeddings")
+    longest = config.data.max_prompt_len + config.engine.max_decode_length
+    if positions is not None and longest > positions:
+        raise ConfigError(
+            f"engine.max_decode_length={config.engine.max_decode_length}: with "
+            f"data.max_prompt_len={config.data.max_prompt_len} a sequence reaches {longest} "
+            f"positions, past model.checkpoint's max_position_embeddings={positions} (as vLLM "
+            "refuses a max_model_len past it)"
         )
     if config.data.source == "files" and not os.path.isfile(
         os.path.join(checkpoint, "tokenizer.json")

@@ -241,6 +241,20 @@ def test_missing_input_files_are_named_by_field_and_spaces_in_lists_are_dropped(
         settings_lib.check_inputs(config)
 
 
+def test_responses_past_the_checkpoints_positions_are_refused_at_start(tmp_path, monkeypatch):
+    """A response ran past `max_position_embeddings` with nothing said: positions the model
+    was never trained at (vLLM refuses the same max_model_len)."""
+    config = default.get_config()
+    config.model.checkpoint = _stub_checkpoint(tmp_path, monkeypatch)
+    (tmp_path / "model" / "config.json").write_text('{"max_position_embeddings": 56}')
+    config.data.max_prompt_len, config.engine.max_decode_length = 8, 48
+    settings_lib.check_inputs(config)  # 56 positions: all of them
+    config.engine.max_decode_length = 49
+    says = r"reaches 57 positions, past model\.checkpoint's max_position_embeddings=56"
+    with pytest.raises(ConfigError, match=rf"^engine\.max_decode_length=49: .* {says}"):
+        settings_lib.check_inputs(config)
+
+
 def test_a_field_name_no_row_has_is_refused_naming_the_config_field(tmp_path, monkeypatch):
     """A misspelled `data.prompt_field` made every row a bad row: one warning per row through a
     whole pass, then a stop that blamed the data, after the workdir was made."""
