@@ -90,8 +90,9 @@ def get_reward(name: str, **options: Any) -> RewardFn:
 
 @register_reward("exact_match")
 def exact_match(completion: str, answer: str) -> float:
-    """1 when the completion equals the answer up to surrounding whitespace."""
-    return float(completion.strip() == answer.strip())
+    """1 when the completion equals the answer up to surrounding whitespace. An empty answer
+    matches nothing: a data row without one would reward the policy for saying nothing."""
+    return float(bool(answer.strip()) and completion.strip() == answer.strip())
 
 
 @register_reward("format")

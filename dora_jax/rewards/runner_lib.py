@@ -18,6 +18,7 @@ cannot kill a thread) and its late result ignored.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import concurrent.futures
 import ctypes
 import dataclasses
@@ -398,10 +399,14 @@ def _as_reward(value: object) -> float:
     """`value` as a float, NaN when it is not a real number a float can hold.
 
     NumPy / JAX scalars and size-1 arrays are taken through `.item()` (a reward written with
-    NumPy returns `np.bool_` or a 0-d array). The conversion is user code too: a huge int or
-    Fraction overflows a float, and that must score 0 like any other failure, not stop the run.
+    NumPy returns `np.bool_` or a 0-d array), and a mapping through its "score", as verl's
+    `compute_score` may return one with extra info. The conversion is user code too: a huge int
+    or Fraction overflows a float, and that must score 0 like any other failure, not stop the
+    run.
     """
     try:
+        if isinstance(value, collections.abc.Mapping):
+            value = value.get("score")
         if hasattr(value, "item"):
             value = value.item()
         return float(value) if isinstance(value, numbers.Real) else math.nan

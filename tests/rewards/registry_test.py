@@ -20,6 +20,7 @@ def test_exact_match():
     assert fn("  abc\n", "abc") == 1.0
     assert fn("abcd", "abc") == 0.0
     assert fn("ABC", "abc") == 0.0
+    assert fn("", "") == fn(" \n", " ") == 0.0  # a row without an answer rewards no silence
 
 
 def test_format_reward_with_a_configured_pattern():

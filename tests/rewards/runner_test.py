@@ -92,6 +92,8 @@ def test_scores_keep_input_order_and_equal_direct_calls(pairs, workers):
         pytest.param(10**400, None, id="huge-int"),
         pytest.param(fractions.Fraction(10**400), None, id="huge-fraction"),
         (None, None),
+        ({"score": np.float32(0.75), "acc": True}, 0.75),  # verl's compute_score may return it
+        ({"acc": 1.0}, None),
     ],
 )
 def test_return_values_convert_or_count_as_errors(value, expected):
