@@ -626,7 +626,10 @@ def _checkpoint_params(
         saved = checkpointer.read_meta(step).get("config")
         # The checkpoint holds float32 master weights whatever the run computed in, so a
         # bfloat16 run exports (or is evaluated) in float32 as well, and the other way round.
-        check_same_run(saved, config, workdir, prefixes=("model.",), exempt=("model.dtype",))
+        check_same_run(
+            saved, config, workdir, prefixes=("model.",), exempt=("model.dtype",),
+            advice="read it with the model settings it was trained under (the run's config file)",
+        )  # fmt: skip
         _, params = models.Functional.of(model)
         shardings = sharding_lib.param_shardings(params, settings.plan.train_mesh)
         like = jax.tree.map(

@@ -538,12 +538,13 @@ def check_same_run(
     workdir: str,
     prefixes: tuple[str, ...] = ("",),
     exempt: tuple[str, ...] = (),
+    advice: str = "continue it with the same settings, or start this one in a new workdir",
 ) -> None:
     """Refuses to continue (or evaluate) the run saved in `workdir` under another config: a
     different model shape would fail deep in orbax, a different group size or mode would
     stall the resumed rollout after cutting the saved run's ledger back. Only fields under
-    `prefixes` are compared, except those in `exempt`. Checkpoints from before configs were
-    saved (`saved` None) are not checked."""
+    `prefixes` are compared, except those in `exempt`; `advice` says what to do instead.
+    Checkpoints from before configs were saved (`saved` None) are not checked."""
     if saved is None:
         return
     unused = _unused(config)
@@ -559,7 +560,4 @@ def check_same_run(
     )
     if differ:
         changes = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in differ)
-        raise ConfigError(
-            f"{workdir} holds a run saved under another config ({changes}); continue it with "
-            "the same settings, or start this one in a new workdir"
-        )
+        raise ConfigError(f"{workdir} holds a run saved under another config ({changes}); {advice}")

@@ -62,6 +62,18 @@ def test_resuming_under_another_config_is_refused_before_the_ledger_is_cut(tmp_p
         settings_lib.check_same_run(meta["config"], config, str(tmp_path), prefixes=("model.",))
 
 
+def test_eval_of_another_models_run_says_to_read_it_as_trained_not_to_continue_it(tmp_path):
+    config = default.get_config()
+    checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
+    meta = {"config": settings_lib.run_defining_fields(config)}
+    checkpointer.save(3, train_state={"w": np.zeros(2)}, data_iterator=None, meta=meta)
+    checkpointer.close()
+    config.model.hidden_size = 32
+    says = r"model\.hidden_size: 64 -> 32\); read it with the model settings it was trained"
+    with pytest.raises(ConfigError, match=says):
+        app_lib.evaluate_checkpoint(config, str(tmp_path))
+
+
 @pytest.mark.parametrize(
     "value,named",
     [("local:0", "runtime.training_hosts"), ("gpu7", "runtime.training_hosts"),
