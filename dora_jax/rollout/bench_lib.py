@@ -363,9 +363,12 @@ def _run_bench(
     train_cores: frozenset[int] | None,
 ) -> dict[str, dict[str, Any]]:
     modes = list(configs)
+    os.makedirs(workdir, exist_ok=True)
     # The same initialisation for every mode; each trainer owns its copy (its steps donate it).
     model_config = models.ModelConfig(**config.model.to_dict())
     engines = _engines(config, models.create(model_config, seed=config.seed), plan)
+    # Compiling comes first and takes minutes on a cold compilation cache: say what it is doing.
+    _say(f"compiling the {len(engines)} engines' prefill buckets and decode steps")
     precompile_engines(
         engines, (c.decode_steps_per_turn for c in configs.values()), config.model.vocab_size
     )
@@ -373,6 +376,9 @@ def _run_bench(
     with contextlib.ExitStack() as trainer_processes:
         for mode, rollout_config in configs.items():
             train = train_config(rollout_config, config.train, config.engine.temperature)
+            _say(
+                f"{mode}: compiling its trainer, then {config.warmup_iterations} warm-up iterations"
+            )
             if train_cores is None:
                 model = models.create(model_config, seed=config.seed)
                 trainer = Trainer(model, train, plan.train_mesh)
@@ -391,6 +397,7 @@ def _run_bench(
                 trainer.restore(initial)
             setups[mode] = (rollout_config, trainer, initial)
         runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+        _say(f"measuring: {config.repeats} repeats of {', '.join(modes)}, taking turns")
         for repeat in range(config.repeats):
             shift = repeat % len(modes)
             for mode in modes[shift:] + modes[:shift]:
@@ -404,6 +411,10 @@ def _run_bench(
         json.dump(results, f, indent=2)
     print(format_table(results))
     return results
+
+
+def _say(what: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", flush=True)
 
 
 def _summary(runs: list[dict[str, float]], workdir: str) -> dict[str, Any]:

@@ -74,9 +74,14 @@ def trained(workdir: str) -> collections.Counter:
     )
 
 
-def test_bench_reports_every_mode_on_identical_work(tmp_path):
+def test_bench_reports_every_mode_on_identical_work(tmp_path, capsys):
     config = tiny_config()
     results = bench_lib.run_bench(config, str(tmp_path))
+    # Minutes of compiling come before the first figure: each phase says itself as it starts.
+    said = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines() if "] " in line]
+    assert said[0].startswith(f"compiling the {config.runtime.num_instances} engines'")
+    assert [s.split(":")[0] for s in said[1:-1]] == list(MODES)
+    assert said[-1].startswith(f"measuring: {config.repeats} repeats")
     with open(tmp_path / "bench.json") as f:
         saved = json.load(f)
     assert set(saved) == set(MODES)
