@@ -73,7 +73,8 @@ def test_scores_keep_input_order_and_equal_direct_calls(pairs, workers):
     runner = _RUNNERS[workers]
     runner.counters = RewardCounters()
     items = [(i, c, a) for i, (c, a) in enumerate(pairs)]
-    assert runner.score(items) == [float(c.strip() == a.strip()) for c, a in pairs]
+    want = [float(bool(a.strip()) and c.strip() == a.strip()) for c, a in pairs]
+    assert runner.score(items) == want
     assert runner.counters.calls == len(pairs) and runner.counters.errors == 0
 
 
