@@ -209,10 +209,12 @@ def heldout_records(config: ml_collections.ConfigDict, data: TaskData) -> list[d
 
 
 def held_out_due(version: int, every: int, barrier_every: int) -> bool:
-    """Whether the checkpoint barrier of `version` (one every `barrier_every` versions) scores
-    the held-out set: the first barrier at or after each multiple of `every` (0: none), i.e.
-    one with a multiple of `every` among the versions since the previous barrier."""
-    return bool(every) and version // every > (version - barrier_every) // every
+    """Whether the checkpoint barrier of `version` scores the held-out set: the first barrier
+    at or after each multiple of `every` (0: none), i.e. one with a multiple of `every` among
+    the versions since the previous barrier. Barriers fall every `barrier_every` versions, and
+    at the last version, which may be off that grid: its previous barrier is the grid's."""
+    previous = (version - 1) // barrier_every * barrier_every
+    return bool(every) and version // every > previous // every
 
 
 def evaluate(
