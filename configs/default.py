@@ -149,7 +149,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval.temperature = ml_collections.config_dict.placeholder(float)
     c.eval.top_k = ml_collections.config_dict.placeholder(int)
     c.eval.top_p = ml_collections.config_dict.placeholder(float)
-    # Versions between held-out evaluations during RL (logged as eval/pass@1, eval/pass@k and
+    # Versions between held-out evaluations during RL (logged as eval/pass@1, eval/pass@4 and
     # eval/version with the next iteration, and drawn in summary.png); 0 = before and after RL
     # only. Each runs at the first checkpoint barrier at or after a multiple of it, where the
     # trainer's params are at rest.

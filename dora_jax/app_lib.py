@@ -238,8 +238,8 @@ def make_engines(
 ) -> list[Engine]:
     """One engine per generation mesh; the rollout's unless it runs on generation hosts, and
     the first is the held-out evaluation's. With hosts on other machines the plan has no
-    generation mesh: evaluation, which runs before and after training, uses the training mesh
-    (this process's part of it, with training hosts)."""
+    generation mesh: evaluation (before and after training and at the `eval.every` barriers)
+    uses the training mesh (this process's part of it, with training hosts)."""
     settings = _engine_settings(config, eos_ids)
     meshes = plan.generation_meshes or (_this_process_part(plan.train_mesh),)
     return [Engine(model, mesh=mesh, **settings) for mesh in meshes]
