@@ -35,12 +35,19 @@ _TINY_MODEL = models.ModelConfig(vocab_size=16, hidden_size=16, intermediate_siz
                                  num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)  # fmt: skip
 
 
-def test_resuming_under_another_config_is_refused_before_the_ledger_is_cut(tmp_path):
-    config = default.get_config()
-    checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
+def _saved_run(workdir, config) -> dict:
+    """A checkpoint of version 3 in `workdir` saved under `config` (its state a stand-in: only
+    the config it holds is read before these refusals); returns its meta."""
+    checkpointer = Checkpointer(str(workdir / "checkpoints"))
     meta = {"config": settings_lib.run_defining_fields(config)}
     checkpointer.save(3, train_state={"w": np.zeros(2)}, data_iterator=None, meta=meta)
     checkpointer.close()
+    return meta
+
+
+def test_resuming_under_another_config_is_refused_before_the_ledger_is_cut(tmp_path):
+    config = default.get_config()
+    meta = _saved_run(tmp_path, config)
     ledger = tmp_path / "ledger.jsonl"
     ledger.write_text('{"event": "start"}\n{"event": "dispatch"}\n')
     config.rollout.group_size = 4
@@ -64,10 +71,7 @@ def test_resuming_under_another_config_is_refused_before_the_ledger_is_cut(tmp_p
 
 def test_eval_of_another_models_run_says_to_read_it_as_trained_not_to_continue_it(tmp_path):
     config = default.get_config()
-    checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
-    meta = {"config": settings_lib.run_defining_fields(config)}
-    checkpointer.save(3, train_state={"w": np.zeros(2)}, data_iterator=None, meta=meta)
-    checkpointer.close()
+    _saved_run(tmp_path, config)
     config.model.hidden_size = 32
     says = r"model\.hidden_size: 64 -> 32\); read it with the model settings it was trained"
     with pytest.raises(ConfigError, match=says):
