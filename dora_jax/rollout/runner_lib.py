@@ -153,7 +153,9 @@ class Rollout:
             stopped = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (interrupted)"
             raise
         finally:
-            self._executor.shutdown(wait=True)
+            # A step not started yet is dropped (its batch is listed as queued at the end):
+            # an interrupt waits for the running step only, not for the one queued behind it.
+            self._executor.shutdown(wait=True, cancel_futures=True)
             self._stop(stopped)
         return self.metrics
 

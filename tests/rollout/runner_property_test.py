@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -219,6 +220,38 @@ def test_an_admission_that_raises_at_dispatch_does_not_stall_the_run(tmp_path, m
     assert report.rules["C2"] and report.rules["C3"], report.format()
     assert sum(e["event"] == "train" for e in ledger_lib.read(workdir)) == 3 * 4
     _assert_every_sample_is_somewhere_once(rollout, trainer, workdir)
+
+
+def test_an_interrupt_waits_for_the_running_training_step_only(tmp_path):
+    """Ctrl-C waited for the step queued behind the running one too: up to two training steps,
+    minutes each on a large model, though nothing keeps the second step's result."""
+    workdir = str(tmp_path)
+    rollout, trainer, _ = make_rollout(
+        workdir, mode="dora", group_size=2, train_batch_size=4, rollout_batch_size=16,
+        staleness_bound=4, num_iterations=6, publish_delay_steps=10_000,
+    )  # fmt: skip
+    step = trainer.step
+
+    def slow_step(batch):
+        time.sleep(0.5)
+        return step(batch)
+
+    trainer.step = slow_step
+    score = rollout.reward_fn
+
+    def interrupt_once_two_steps_are_handed_over(batch):
+        if len(rollout._jobs) == 2:
+            raise KeyboardInterrupt
+        return score(batch)
+
+    rollout.reward_fn = interrupt_once_two_steps_are_handed_over
+    with pytest.raises(KeyboardInterrupt):
+        rollout.run()
+    assert len(trainer.batches) == 1  # the second step never started
+    end = ledger_lib.read(workdir)[-1]
+    assert end["stopped"] == "KeyboardInterrupt (interrupted)"
+    report = audit_lib.audit(workdir)
+    assert report.rules["C2"], report.format()  # both batches listed as queued: none lost
 
 
 def test_partial_breaks_c1_when_an_update_lands_mid_trajectory(tmp_path):
