@@ -112,7 +112,10 @@ class Telemetry:
         occupancy = [self.busy_slot_time[i] / max(capacity[i], 1e-12) for i in range(n)]
         m = {f"slot_occupancy/instance{i}": occupancy[i] for i in range(n)}
         m["slot_occupancy"] = sum(self.busy_slot_time) / max(sum(capacity), 1e-12)
-        m["bubble_fraction"] = max(1.0 - sum(self.busy_time) / (n * max(wall_seconds, 1e-12)), 0)
+        # A turn that takes up a version counts in the next iteration, its decoding before the
+        # wait included: over a very short iteration that part may exceed its wall time.
+        decoding = sum(self.busy_time) / (n * max(wall_seconds, 1e-12))
+        m["bubble_fraction"] = max(1.0 - decoding, 0.0)
         m["rollout_time_s"] = self.rollout_time
         m.update({k: float(v) for k, v in self.counters.items()})
         return m
