@@ -8,6 +8,7 @@ import dataclasses
 
 import jax
 import ml_collections
+from hypothesis import strategies as st
 from rollout_doubles import EngineDouble, TrainerDouble
 
 from dora_jax.models import sharding_lib
@@ -122,4 +123,31 @@ def _trainer(cfg: RolloutConfig) -> TrainerDouble:
         train_batch_size=cfg.train_batch_size,
         group_size=cfg.group_size,
         staleness_bound=k,
+    )
+
+
+MODES = ("sync", "one_step_off", "partial", "dora")
+
+
+@st.composite
+def setups(draw, modes=MODES):
+    """A random rollout set-up for `make_rollout`: modes, instance and slot counts, TBS, RBS,
+    K, group sizes, trigger and publish timing, response lengths, stop strings."""
+    g = draw(st.sampled_from([1, 2, 4]))
+    tbs = g * draw(st.integers(1, 3))
+    return dict(
+        mode=draw(st.sampled_from(modes)),
+        num_instances=draw(st.integers(1, 4)),
+        slots=draw(st.integers(1, 6)),
+        group_size=g,
+        train_batch_size=tbs,
+        rollout_batch_size=tbs + g * draw(st.integers(0, 3)),
+        staleness_bound=draw(st.integers(0, 3)),
+        num_iterations=draw(st.integers(2, 4)),
+        timer_steps=draw(st.integers(1, 12)),
+        publish_delay_steps=draw(st.integers(0, 6)),
+        decode_steps_per_turn=draw(st.sampled_from([1, 1, 2, 4])),
+        median_length=draw(st.integers(2, 10)),
+        seed=draw(st.integers(0, 1000)),
+        stop_strings=draw(st.sampled_from([(), (), ("abc",), ("ba", "dd")])),
     )

@@ -18,33 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rollout_doubles import token_at, version_of
-from rollout_harness import double_text, make_rollout
+from rollout_harness import MODES, double_text, make_rollout, setups
 
 from dora_jax.rollout import audit_lib, ledger_lib, telemetry_lib
-
-MODES = ("sync", "one_step_off", "partial", "dora")
-
-
-@st.composite
-def setups(draw, modes=MODES):
-    g = draw(st.sampled_from([1, 2, 4]))
-    tbs = g * draw(st.integers(1, 3))
-    return dict(
-        mode=draw(st.sampled_from(modes)),
-        num_instances=draw(st.integers(1, 4)),
-        slots=draw(st.integers(1, 6)),
-        group_size=g,
-        train_batch_size=tbs,
-        rollout_batch_size=tbs + g * draw(st.integers(0, 3)),
-        staleness_bound=draw(st.integers(0, 3)),
-        num_iterations=draw(st.integers(2, 4)),
-        timer_steps=draw(st.integers(1, 12)),
-        publish_delay_steps=draw(st.integers(0, 6)),
-        decode_steps_per_turn=draw(st.sampled_from([1, 1, 2, 4])),
-        median_length=draw(st.integers(2, 10)),
-        seed=draw(st.integers(0, 1000)),
-        stop_strings=draw(st.sampled_from([(), (), ("abc",), ("ba", "dd")])),
-    )
 
 
 def _trained(trainer):
