@@ -248,8 +248,13 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
             f"model.checkpoint={checkpoint!r}: not a Hugging Face model directory "
             "(it has no config.json)"
         )
-    with open(os.path.join(checkpoint, "config.json")) as f:
-        positions = json.load(f).get("max_position_embeddings")
+    try:
+        with open(os.path.join(checkpoint, "config.json")) as f:
+            positions = json.load(f).get("max_position_embeddings")
+    except (ValueError, AttributeError) as e:  # not JSON, or JSON but not an object
+        raise ConfigError(
+            f"model.checkpoint={checkpoint!r}: its config.json is no JSON object ({e})"
+        ) from e
     longest = config.data.max_prompt_len + config.engine.max_decode_length
     if positions is not None and longest > positions:
         raise ConfigError(

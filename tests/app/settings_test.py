@@ -253,6 +253,10 @@ def test_responses_past_the_checkpoints_positions_are_refused_at_start(tmp_path,
     says = r"reaches 57 positions, past model\.checkpoint's max_position_embeddings=56"
     with pytest.raises(ConfigError, match=rf"^engine\.max_decode_length=49: .* {says}"):
         settings_lib.check_inputs(config)
+    for broken in ('{"max_position_embeddings": 56', "[56]"):  # cut off; not an object
+        (tmp_path / "model" / "config.json").write_text(broken)
+        with pytest.raises(ConfigError, match=r"^model\.checkpoint=.*config\.json is no JSON"):
+            settings_lib.check_inputs(config)
 
 
 def test_a_field_name_no_row_has_is_refused_naming_the_config_field(tmp_path, monkeypatch):
