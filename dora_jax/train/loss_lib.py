@@ -64,7 +64,7 @@ def ppo_clip(
     """PPO clipped surrogate with separate bounds [1 - eps_low, 1 + eps_high] (DAPO), and for
     A < 0 the dual clip's floor `clip_ratio_c * A` (Ye et al. 2020, verl's `clip_ratio_c`)."""
     del mask
-    terms = _clipped_surrogate(_ratio(logp, old_logp), adv, config)
+    terms = _clipped_surrogate(_bounded_exp(logp - old_logp), adv, config)
     c = config.clip_ratio_c
     if c is None:
         return terms
@@ -81,7 +81,7 @@ def triplet(
     (the upper bound is dual-clip: a huge ratio on a bad token cannot blow up the update);
     A > 0 caps it at 1 + eps_pos_high."""
     del mask
-    ratio = _ratio(logp, old_logp)
+    ratio = _bounded_exp(logp - old_logp)
     neg_low, neg_high = 1.0 - config.eps_neg_low, 1.0 + config.eps_neg_high
     pos_high = 1.0 + config.eps_pos_high
     objective = jnp.where(
@@ -103,14 +103,14 @@ def gspo(
     s = exp(mean_t(logp - old_logp)); each token carries sg(s) * exp(logp - sg(logp)), equal to
     s in value, so with seq_mean_token_mean aggregation the gradient is exactly GSPO's."""
     n = jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
-    seq_log_ratio = ((logp - old_logp) * mask).sum(axis=1, keepdims=True) / n
-    seq_ratio = jnp.exp(jnp.clip(seq_log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    seq_ratio = _bounded_exp(((logp - old_logp) * mask).sum(axis=1, keepdims=True) / n)
     ratio = jax.lax.stop_gradient(seq_ratio) * jnp.exp(logp - jax.lax.stop_gradient(logp))
     return _clipped_surrogate(ratio, adv, config)
 
 
-def _ratio(logp: jax.Array, old_logp: jax.Array) -> jax.Array:
-    return jnp.exp(jnp.clip(logp - old_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+def _bounded_exp(log_ratio: jax.Array) -> jax.Array:
+    """A ratio from its log, bounded to +-LOG_RATIO_BOUND first: per token or per sequence."""
+    return jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 def _clipped_surrogate(ratio: jax.Array, adv: jax.Array, config: Any) -> PolicyTerms:
